@@ -1,0 +1,51 @@
+# The two commands a newcomer needs: `make demo` (the main job) and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PROTOS := $(wildcard proto/duplex/v1/*.proto)
+PROTOC  = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Iproto \
+          --python_out=$(1) --grpc_python_out=$(1) --mypy_out=$(1) --mypy_grpc_out=$(1)
+
+.PHONY: setup proto proto-check test lint bench demo up clean
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 first: it is the CPU build on disk here; the project's own
+# requirement is a range it satisfies, so pip adds no multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+# Regenerate the committed protobuf code (messages, stubs, .pyi types).
+proto: setup
+	$(call PROTOC,.) $(PROTOS)
+
+# Fails when the committed generated code differs from what `make proto` makes.
+proto-check: setup
+	rm -rf build/proto-check && mkdir -p build/proto-check
+	$(call PROTOC,build/proto-check) $(PROTOS)
+	diff -r -x __init__.py -x __pycache__ -x py.typed build/proto-check/duplex/v1 duplex/v1 \
+	  || (echo "generated protobuf code is stale: run 'make proto' and commit" && exit 1)
+
+test: setup proto-check
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy duplex session_service worker_service
+
+bench: setup
+	$(BIN)/python -m benchmarks.run
+
+demo: setup
+	$(BIN)/duplex demo
+
+up: setup
+	$(BIN)/duplex up
+
+clean:
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache
