@@ -1,0 +1,5 @@
+import sys
+
+from duplex.cli import main
+
+sys.exit(main())

@@ -1,0 +1,206 @@
+"""Stable error codes, the typed exceptions that carry them, and the one place they become gRPC statuses.
+
+Domain code raises one of the exception types below; servicers never pick status codes
+themselves. A client sees the code either in an ``Error`` server event (recoverable, the
+session goes on) or as the gRPC status of the call plus a ``google.rpc.ErrorInfo`` detail
+whose ``reason`` is the code (fatal).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import NoReturn
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+ERROR_DOMAIN = "duplex.v1"
+
+
+class ErrorCode(StrEnum):
+    """Stable machine-readable codes. Clients branch on these; never rename one."""
+
+    INVALID_EVENT = "invalid_event"
+    SESSION_NOT_OPEN = "session_not_open"
+    ALREADY_OPEN = "already_open"
+    INVALID_CONFIG = "invalid_config"
+    INVALID_RUNTIME_CONFIG = "invalid_runtime_config"
+    PRIVATE_RUNTIME_KEY = "private_runtime_key"
+    UNSUPPORTED_AUDIO_FORMAT = "unsupported_audio_format"
+    AUDIO_FORMAT_MISMATCH = "audio_format_mismatch"
+    INVALID_PCM_LENGTH = "invalid_pcm_length"
+    CHUNK_TOO_LARGE = "chunk_too_large"
+    SEQ_OUT_OF_ORDER = "seq_out_of_order"
+    NO_COMMITTED_INPUT = "no_committed_input"
+    RESPONSE_IN_PROGRESS = "response_in_progress"
+    NO_ACTIVE_RESPONSE = "no_active_response"
+    MODEL_CHANGE_REFUSED = "model_change_refused"
+    CONTEXT_LOCKED = "context_locked"
+    MODEL_MISMATCH = "model_mismatch"
+    UNKNOWN_SESSION = "unknown_session"
+    INVALID_RESUME_TOKEN = "invalid_resume_token"
+    UNAUTHENTICATED = "unauthenticated"
+    CAPACITY_EXHAUSTED = "capacity_exhausted"
+    FENCED = "fenced"
+    STALE_EPOCH = "stale_epoch"
+    NOT_OWNER = "not_owner"
+    WORKER_UNAVAILABLE = "worker_unavailable"
+    DRAINING = "draining"
+    IDLE_TIMEOUT = "idle_timeout"
+    INPUT_ABANDONED = "input_abandoned"
+    MODEL_ERROR = "model_error"
+    INTERNAL = "internal"
+
+
+class DuplexError(Exception):
+    """Base of every error that carries a stable code and a gRPC status."""
+
+    status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    retryable: bool = False
+
+    def __init__(self, code: ErrorCode | str, message: str, *, retryable: bool | None = None) -> None:
+        super().__init__(message)
+        self.code = str(code)
+        self.message = message
+        if retryable is not None:
+            self.retryable = retryable
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code!r}, {self.message!r})"
+
+
+class BadEventError(DuplexError):
+    """A client event is malformed or not allowed now; answered with an error event, the session goes on."""
+
+    status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class BadRequestError(DuplexError):
+    """A request that cannot start (bad open, unknown model, bad command line value); ends the call."""
+
+    status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UnauthenticatedError(DuplexError):
+    """Missing or wrong credentials (including a bad resume token)."""
+
+    status = grpc.StatusCode.UNAUTHENTICATED
+
+
+class NotFoundError(DuplexError):
+    """The named session does not exist (any more)."""
+
+    status = grpc.StatusCode.NOT_FOUND
+
+
+class CapacityError(DuplexError):
+    """No room for another session or request right now."""
+
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retryable = True
+
+
+class FencedError(DuplexError):
+    """The work carries an epoch (or owner) the fencing authority has moved past."""
+
+    status = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UnavailableError(DuplexError):
+    """A dependency (a worker) cannot be reached, or the service is draining."""
+
+    status = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+class InternalError(DuplexError):
+    """A bug or a model failure; the details are logged, not sent."""
+
+    status = grpc.StatusCode.INTERNAL
+
+
+_STATUS_TO_ERROR: dict[grpc.StatusCode, type[DuplexError]] = {
+    cls.status: cls
+    for cls in (
+        BadRequestError,
+        UnauthenticatedError,
+        NotFoundError,
+        CapacityError,
+        FencedError,
+        UnavailableError,
+        InternalError,
+    )
+}
+
+
+def to_rpc_status(err: DuplexError) -> grpc.Status:
+    """The rich gRPC status for an error: its status code, message and an ErrorInfo with the code."""
+    info = error_details_pb2.ErrorInfo(reason=err.code, domain=ERROR_DOMAIN)
+    if err.retryable:
+        info.metadata["retryable"] = "true"
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=err.status.value[0], message=err.message, details=[detail])
+    return rpc_status.to_status(status)
+
+
+async def abort(context: grpc.aio.ServicerContext[object, object], err: DuplexError) -> NoReturn:
+    """End an RPC with the status that belongs to ``err`` (the single mapping site for servers)."""
+    await context.abort_with_status(to_rpc_status(err))
+    raise AssertionError("abort_with_status returned")  # pragma: no cover - it always raises
+
+
+def from_rpc_error(exc: grpc.RpcError) -> DuplexError:
+    """Rebuild the typed error from a failed call (client side), keeping the stable code when present."""
+    code_attr = getattr(exc, "code", None)
+    status_code: grpc.StatusCode = code_attr() if callable(code_attr) else grpc.StatusCode.UNKNOWN
+    details_attr = getattr(exc, "details", None)
+    message = (details_attr() if callable(details_attr) else None) or str(exc)
+    code = _default_code(status_code)
+    retryable: bool | None = None
+    try:
+        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    except Exception:  # a malformed trailer must not hide the original failure
+        status = None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                code = info.reason or code
+                retryable = info.metadata.get("retryable") == "true"
+    cls = _STATUS_TO_ERROR.get(status_code, DuplexError)
+    err = cls(code, message, retryable=retryable)
+    err.status = status_code
+    return err
+
+
+def _default_code(status_code: grpc.StatusCode) -> str:
+    return {
+        grpc.StatusCode.UNAVAILABLE: ErrorCode.WORKER_UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorCode.CAPACITY_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION: ErrorCode.FENCED,
+        grpc.StatusCode.UNAUTHENTICATED: ErrorCode.UNAUTHENTICATED,
+        grpc.StatusCode.INVALID_ARGUMENT: ErrorCode.INVALID_EVENT,
+        grpc.StatusCode.NOT_FOUND: ErrorCode.UNKNOWN_SESSION,
+    }.get(status_code, ErrorCode.INTERNAL).value
+
+
+__all__ = [
+    "ERROR_DOMAIN",
+    "BadEventError",
+    "BadRequestError",
+    "CapacityError",
+    "DuplexError",
+    "ErrorCode",
+    "FencedError",
+    "InternalError",
+    "NotFoundError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "abort",
+    "from_rpc_error",
+    "to_rpc_status",
+]

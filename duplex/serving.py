@@ -1,0 +1,96 @@
+"""Pieces every gRPC server here shares: health, reflection, /metrics, port binding."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+#: Server options: never share a port with another process (tests bind port 0 and must
+#: get a port of their own), and keep long-lived streams alive through idle periods.
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+]
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+]
+
+
+class Health:
+    """The ``grpc.health.v1`` servicer of one server, with the overall ("") status kept in step."""
+
+    def __init__(self, server: grpc.aio.Server, service_names: Iterable[str]) -> None:
+        self._servicer = health.aio.HealthServicer()
+        self._names = ["", *service_names]
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        self.serving = False
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        status = SERVING if serving else NOT_SERVING
+        for name in self._names:
+            await self._servicer.set(name, status)
+
+    async def shutdown(self) -> None:
+        self.serving = False
+        await self._servicer.enter_graceful_shutdown()
+
+
+def add_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
+    """Turn on server reflection so generic tools (grpcurl, grpcui) can explore the API."""
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+
+
+def bind(server: grpc.aio.Server, listen: str) -> int:
+    """Bind an insecure port (``HOST:PORT``, port 0 = any free port); returns the bound port."""
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind {listen}")
+    return port
+
+
+@dataclass
+class MetricsServer:
+    """The Prometheus ``/metrics`` HTTP endpoint of a process."""
+
+    port: int
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
+    """Start ``/metrics`` on ``host:port`` (port 0 = any free port) in a daemon thread."""
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(port=server.server_port, _server=server, _thread=thread)
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``[v6]:PORT``) to its parts; raises ValueError on anything else."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
