@@ -21,7 +21,7 @@ FloatArray = npt.NDArray[np.float32]
 
 S16LE = common_pb2.AUDIO_ENCODING_PCM_S16LE
 F32LE = common_pb2.AUDIO_ENCODING_PCM_F32LE
-_SAMPLE_BYTES = {S16LE: 2, F32LE: 4}
+_SAMPLE_BYTES: dict[int, int] = {S16LE: 2, F32LE: 4}
 #: Rates a session accepts; anything else is "unsupported_audio_format".
 SUPPORTED_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
 MAX_CHANNELS = 2
@@ -52,7 +52,7 @@ class PcmFormat:
         return self.sample_bytes * self.channels
 
     def bytes_for_ms(self, ms: float) -> int:
-        return int(round(self.sample_rate_hz * ms / 1000.0)) * self.frame_bytes
+        return round(self.sample_rate_hz * ms / 1000.0) * self.frame_bytes
 
     def duration_ms(self, n_bytes: int) -> float:
         return 1000.0 * (n_bytes // self.frame_bytes) / self.sample_rate_hz
@@ -75,7 +75,7 @@ class PcmFormat:
                 f"unsupported sample rate {fmt.sample_rate_hz} Hz (supported: {SUPPORTED_RATES})",
             )
         if not 1 <= fmt.channels <= MAX_CHANNELS:
-            raise BadEventError(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"unsupported channel count {fmt.channels}")
+            raise BadEventError(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"unsupported channels {fmt.channels}")
         return cls(int(fmt.encoding), int(fmt.sample_rate_hz), int(fmt.channels))
 
     def __str__(self) -> str:
@@ -121,7 +121,8 @@ def to_mono(samples: FloatArray) -> FloatArray:
     """Average the channels of ``(frames, channels)`` into ``(frames,)``."""
     if samples.ndim == 1:
         return samples
-    return samples.mean(axis=1).astype(np.float32)
+    mono: FloatArray = samples.mean(axis=1).astype(np.float32)
+    return mono
 
 
 class StreamingResampler:
@@ -162,7 +163,7 @@ class StreamingResampler:
             self._prev = buf
             return np.zeros(0, dtype=np.float32)
         idx = self._pos + self._step * np.arange(n, dtype=np.float64)
-        out = np.interp(idx, np.arange(len(buf), dtype=np.float64), buf).astype(np.float32)
+        out: FloatArray = np.interp(idx, np.arange(len(buf), dtype=np.float64), buf).astype(np.float32)
         next_pos = self._pos + self._step * n
         drop = min(int(np.floor(next_pos)), len(buf))
         self._prev = buf[drop:]
@@ -173,9 +174,10 @@ class StreamingResampler:
 def resample(x: FloatArray, src_rate: int, dst_rate: int) -> FloatArray:
     """Resample a whole mono signal (see ``StreamingResampler``)."""
     if src_rate == dst_rate:
-        return np.asarray(x, dtype=np.float32)
+        same: FloatArray = np.asarray(x, dtype=np.float32)
+        return same
     out = StreamingResampler(src_rate, dst_rate).process(np.concatenate([x, np.zeros(1, np.float32)]))
-    want = int(round(len(x) * dst_rate / src_rate))
+    want = round(len(x) * dst_rate / src_rate)
     if len(out) < want:
         out = np.concatenate([out, np.zeros(want - len(out), np.float32)])
     return out[:want]

@@ -63,7 +63,7 @@ def add_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> Non
 
 def bind(server: grpc.aio.Server, listen: str) -> int:
     """Bind an insecure port (``HOST:PORT``, port 0 = any free port); returns the bound port."""
-    port = server.add_insecure_port(listen)
+    port: int = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not bind {listen}")
     return port
