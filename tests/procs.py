@@ -1,0 +1,99 @@
+"""Start real service processes for tests and always clean them up by their own pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ServiceProcess:
+    """A running ``duplex <command>`` child with the addresses it printed."""
+
+    proc: subprocess.Popen[str]
+    grpc: str
+    metrics: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(timeout)
+
+
+def start_service(args: list[str], *, timeout: float = 60.0, env: dict[str, str] | None = None) -> ServiceProcess:
+    """Run ``python -m duplex ARGS`` and wait for its one-line JSON "listening" announcement."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duplex", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=None,  # inherit: pytest shows it on failure
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{args[0]} did not announce itself within {timeout}s")
+            ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.5))
+            if proc.poll() is not None and not ready:
+                raise RuntimeError(f"{args[0]} exited with {proc.returncode} before listening")
+            if ready:
+                line = proc.stdout.readline()
+                if not line:
+                    continue
+                try:
+                    msg = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if msg.get("event") == "listening":
+                    return ServiceProcess(proc, msg["grpc"], msg["metrics"])
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+
+
+@contextmanager
+def running(args: list[str], **kwargs: object) -> Iterator[ServiceProcess]:
+    """Context manager form of ``start_service``; the process is gone afterwards."""
+    svc = start_service(args, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield svc
+    finally:
+        svc.terminate()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); treat it as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
