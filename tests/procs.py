@@ -40,7 +40,9 @@ class ServiceProcess:
         return self.proc.wait(timeout)
 
 
-def start_service(args: list[str], *, timeout: float = 60.0, env: dict[str, str] | None = None) -> ServiceProcess:
+def start_service(
+    args: list[str], *, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> ServiceProcess:
     """Run ``python -m duplex ARGS`` and wait for its one-line JSON "listening" announcement."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "duplex", *args],
