@@ -1,0 +1,1 @@
+"""The worker tier: a batched torch engine behind ``duplex.v1.DuplexWorker``."""
