@@ -1,0 +1,178 @@
+"""The engine and its failure modes, with small fake models: fairness, per-request model errors,
+legacy outputs that fail closed, and a fatal engine crash."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from duplex.audio import PCM16K_MONO
+from duplex.sparse import FAIL_CLOSED_TOTAL
+from tests.worker_helpers import APPEND, COMMIT, FRAME, RESPOND, RunClient, error_codes, pcm, sub, worker
+from worker_service.engine import Engine, Enqueue, FenceToken, OwnerStep, QueueCounter, Work
+from worker_service.model import RequestNews, StepBatch, StepModel, StepResult
+from worker_service.models.synthetic import SyntheticModel
+
+
+@dataclass(eq=False)
+class _St:
+    sid: str
+    replying: int = 0
+
+
+class FakeModel(StepModel[_St]):
+    """Emits a legacy dict; ``mode`` picks a failure."""
+
+    model_id = "fake"
+    audio_format = PCM16K_MONO
+    frame_samples = FRAME
+    device = torch.device("cpu")
+
+    def __init__(self, mode: str = "ok") -> None:
+        self.mode = mode
+
+    def parse_options(self, params: Mapping[str, object]) -> object:
+        return dict(params)
+
+    def create_state(self, session_id: str) -> _St:
+        return _St(session_id)
+
+    def release_state(self, state: _St) -> None:
+        pass
+
+    def set_options(self, state: _St, options: object) -> None:
+        pass
+
+    def commit(self, state: _St) -> int:
+        return 1
+
+    def clear(self, state: _St) -> None:
+        pass
+
+    def respond(self, state: _St) -> None:
+        state.replying = 3
+
+    def cancel_response(self, state: _St) -> None:
+        state.replying = 0
+
+    def is_responding(self, state: _St) -> bool:
+        return state.replying > 0
+
+    def step(self, batch: StepBatch[_St]) -> StepResult:
+        if self.mode == "crash":
+            raise RuntimeError("boom")
+        news: list[RequestNews | None] = [None] * len(batch.states)
+        ids, audio = [], []
+        for i, st in enumerate(batch.states):
+            if st.sid == "bad":
+                news[i] = RequestNews(error="broken")
+            if st.replying:
+                st.replying -= 1
+                ids.append(batch.req_ids[i])
+                audio.append(np.zeros(FRAME, np.float32))
+        meta: dict[str, object] = {"sparse_audio": ["1"], "req_id": ids}
+        if self.mode == "bad_marker":
+            meta = {"sparse_audio": True, "req_id": ids}  # a bool is not a legal carrier
+        return StepResult(outputs={"audio": audio, "meta": meta}, news=news)
+
+
+def test_round_robin_beyond_max_batch() -> None:
+    seen: list[list[str]] = []
+    done = threading.Event()
+
+    def sink(items: list[tuple[str, OwnerStep]]) -> None:
+        for _, step in items:
+            if step.step:
+                seen.append([rid for rid, _ in step.batch])
+        if sum(len(b) for b in seen) >= 30:
+            done.set()
+
+    engine = Engine(FakeModel, sink=sink, max_batch=2)
+    cmds = []
+    for i in range(3):
+        work = Work(
+            APPEND, FenceToken(f"s{i}", 1, 0), "o", f"r{i}", seq=1, frames=np.zeros((10, FRAME), np.float32)
+        )
+        cmds.append(Enqueue(work, QueueCounter()))
+    engine.submit(cmds)
+    engine.start()
+    try:
+        assert done.wait(10)
+    finally:
+        engine.stop()
+    assert all(len(b) <= 2 for b in seen)
+    counts = {r: sum(b.count(r) for b in seen) for r in ("r0", "r1", "r2")}
+    assert counts == {"r0": 10, "r1": 10, "r2": 10}
+    # Fair while all three had work: nobody waits more than one step.
+    first_steps = seen[:9]
+    for r in ("r0", "r1", "r2"):
+        assert sum(b.count(r) for b in first_steps) >= 5
+
+
+async def test_model_error_is_per_request_and_bad_legacy_output_fails_closed() -> None:
+    before = FAIL_CLOSED_TOTAL.labels(cause="illegal_marker")._value.get()
+    async with worker(model_factory=lambda device: FakeModel("bad_marker")) as (_, stub):
+        run = RunClient(stub, "o1")
+        from duplex.v1 import worker_pb2
+
+        for s in ("bad", "good"):
+            await stub.Attach(worker_pb2.AttachRequest(session_id=s, epoch=1, owner="o1"), timeout=5)
+        run.send(
+            sub("rb", "bad", APPEND, seq=1, data=pcm(np.zeros(FRAME, np.float32))),
+            sub("rg", "good", APPEND, seq=1, data=pcm(np.zeros(FRAME, np.float32))),
+            sub("rg", "good", COMMIT),
+            sub("rg", "good", RESPOND, turn=1),
+        )
+        msgs = await run.until(lambda m: any(u.input_seq == 1 and u.request_id == "rg" for u in m.updates))
+        msgs += await run.quiet(0.3)
+        assert error_codes(msgs, "rb") == ["model_error"]
+        assert not error_codes(msgs, "rg")
+        # The declaration carried a bool marker: every AUDIO step routed nothing.
+        assert not any(m.outputs.audio for m in msgs)
+        assert sum(1 for m in msgs for e in m.batch if e.request_id == "rg") >= 3
+        run.close()
+    assert FAIL_CLOSED_TOTAL.labels(cause="illegal_marker")._value.get() >= before + 3
+
+
+async def test_engine_crash_ends_streams_with_internal_and_stops_serving() -> None:
+    async with worker(model_factory=lambda device: FakeModel("crash")) as (server, stub):
+        from duplex.v1 import worker_pb2
+
+        await stub.Attach(worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1"), timeout=5)
+        run = RunClient(stub, "o1")
+        run.send(sub("r1", "s1", APPEND, seq=1, data=pcm(np.zeros(FRAME, np.float32))))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await run.recv(5)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_synthetic_model_replies_sparsely() -> None:
+    factory = lambda device: SyntheticModel(device, hidden_size=32, layers=2, emit_every=2, reply_frames=4)  # noqa: E731
+    async with worker(model_factory=factory) as (_, stub):
+        from duplex.v1 import worker_pb2
+
+        await stub.Attach(worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1"), timeout=5)
+        run = RunClient(stub, "o1")
+        run.send(
+            sub("r1", "s1", APPEND, seq=1, data=pcm(np.zeros(2 * FRAME, np.float32))),
+            sub("r1", "s1", COMMIT),
+            sub("r1", "s1", RESPOND, turn=1),
+        )
+        msgs = await run.until(lambda m: any(u.response_finished for u in m.updates))
+        stepped = [m for m in msgs if m.step and m.batch]
+        with_audio = [m for m in stepped if m.outputs.audio]
+        assert len(with_audio) == 4
+        assert all(m.outputs.sparse_audio and list(m.outputs.req_id) == ["r1"] for m in with_audio)
+        assert all(len(m.outputs.audio[0].pcm) == 2 * FRAME for m in with_audio)
+        assert len(stepped) > len(with_audio)  # every other step of the reply is silent
+        run.close()

@@ -1,0 +1,153 @@
+"""The parrot model without gRPC: batched Silero VAD, turn detection, the pitch-shifted reply."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from duplex.errors import BadEventError
+from tests.worker_helpers import FRAME, load_speech, pad_frames
+from worker_service.model import SPEECH_STARTED, SPEECH_STOPPED, StepBatch
+from worker_service.models.parrot import ParrotModel, ParrotState, load_silero, parrot_reply
+
+SPEECH = [f"speech_{i:02d}.wav" for i in range(16)] + ["hello.wav"]
+
+
+@pytest.fixture(scope="module")
+def model() -> ParrotModel:
+    with torch.inference_mode():
+        return ParrotModel(torch.device("cpu"))
+
+
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    # As on the engine thread: the model's state tensors are inference tensors.
+    with torch.inference_mode():
+        yield
+
+
+def _run(model: ParrotModel, states: list[ParrotState], signals: list[np.ndarray]) -> list[list]:
+    """Step every state through its signal (frame by frame, all in one batch); returns news per state."""
+    n = max(len(s) for s in signals) // FRAME
+    news: list[list] = [[] for _ in states]
+    with torch.inference_mode():
+        for k in range(n):
+            frames = np.zeros((len(states), FRAME), np.float32)
+            has = np.zeros(len(states), np.bool_)
+            for i, s in enumerate(signals):
+                if (k + 1) * FRAME <= len(s):
+                    frames[i] = s[k * FRAME : (k + 1) * FRAME]
+                    has[i] = True
+            res = model.step(StepBatch([f"s{i}" for i in range(len(states))], states, frames, has))
+            for i, item in enumerate(res.news):
+                if item is not None:
+                    news[i].append(item)
+    return news
+
+
+def test_batched_vad_matches_one_by_one(model: ParrotModel) -> None:
+    signals = [pad_frames(load_speech(name))[: 40 * FRAME] for name in SPEECH[:6]]
+    signals = [np.concatenate([s, np.zeros(40 * FRAME - len(s), np.float32)]) for s in signals]
+    net = load_silero(torch.device("cpu"))
+    with torch.inference_mode():
+        # Reference: each session alone through the network, explicit state and 64-sample context.
+        expected = np.zeros((len(signals), 40), np.float32)
+        for i, s in enumerate(signals):
+            state, ctx = torch.zeros(2, 1, 128), torch.zeros(1, 64)
+            for k in range(40):
+                x = torch.from_numpy(s[k * FRAME : (k + 1) * FRAME])[None]
+                p, state = net(torch.cat([ctx, x], 1), state)
+                ctx = x[:, -64:]
+                expected[i, k] = float(p[0, 0])
+        # Batched with per-session slots, in a shuffled slot order and with a session skipping steps.
+        states = [model.create_state(f"s{i}") for i in range(len(signals))]
+        got = np.zeros_like(expected)
+        for k in range(40):
+            order = np.random.default_rng(k).permutation(len(signals))
+            slots = np.array([states[i].slot for i in order])
+            frames = np.stack([signals[i][k * FRAME : (k + 1) * FRAME] for i in order])
+            got[order, k] = model.vad(slots, frames)
+        for st in states:
+            model.release_state(st)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert expected.max() > 0.5  # the comparison covers speech, not just silence
+
+
+def test_vad_marks_speech_in_every_recording(model: ParrotModel) -> None:
+    states = [model.create_state(name) for name in SPEECH]
+    signals = [pad_frames(load_speech(name), silence_s=0.7) for name in SPEECH]
+    news = _run(model, states, signals)
+    for name, st, items, sig in zip(SPEECH, states, news, signals, strict=True):
+        events = [e for n in items for e in n.vad]
+        kinds = [k for k, _ in events]
+        assert kinds[:2] == [SPEECH_STARTED, SPEECH_STOPPED], (name, events)
+        start, stop = events[0][1], events[1][1]
+        # Fixtures carry 100 ms of silence before the speech and 700+100 ms after it.
+        assert 800 <= start <= 0.3 * len(sig), (name, start)
+        assert stop > start + 4000, (name, events)
+        turn = [n for n in items if n.turn_ended]
+        assert len(turn) == 1 and turn[0].committed_samples >= stop - start, name
+        model.release_state(st)
+
+
+@pytest.mark.parametrize("level", [0.0, 0.003])
+def test_vad_silent_on_silence_and_low_noise(model: ParrotModel, level: float) -> None:
+    rng = np.random.default_rng(7)
+    signals = [(rng.standard_normal(3 * 16000) * level).astype(np.float32) for _ in range(4)]
+    states = [model.create_state(f"n{i}") for i in range(4)]
+    news = _run(model, states, [pad_frames(s) for s in signals])
+    assert all(not n.vad for items in news for n in items)
+    for st in states:
+        model.release_state(st)
+
+
+def test_parrot_reply_keeps_duration_and_shifts_pitch() -> None:
+    t = np.arange(16000) / 16000.0
+    tone = (0.5 * np.sin(2 * np.pi * 200.0 * t)).astype(np.float32)
+    out = parrot_reply(tone, 4.0)
+    assert out.shape == tone.shape and out.dtype == np.float32
+    spectrum = np.abs(np.fft.rfft(out[2000:14000] * np.hanning(12000)))
+    peak_hz = np.argmax(spectrum) * 16000 / 12000
+    assert abs(peak_hz - 200 * 2 ** (4 / 12)) < 6, peak_hz
+    assert np.array_equal(parrot_reply(tone, 0.0), tone)
+    for n in (0, 1, 100, 513, 5000):
+        assert len(parrot_reply(np.ones(n, np.float32) * 0.1, -3.0)) == n
+
+
+def test_options_are_validated(model: ParrotModel) -> None:
+    opts = model.parse_options({"silence_ms": 300.0, "auto_commit": False})
+    assert opts.silence_ms == 300.0 and not opts.auto_commit and opts.pitch_semitones == 4.0
+    for bad in ({"nope": 1}, {"silence_ms": "x"}, {"threshold": 2.0}, {"auto_commit": 1.0}):
+        with pytest.raises(BadEventError):
+            model.parse_options(bad)
+
+
+def test_manual_commit_respond_and_cancel(model: ParrotModel) -> None:
+    st = model.create_state("m")
+    model.set_options(st, model.parse_options({"auto_commit": False}))
+    x = load_speech("speech_03.wav")[: 10 * FRAME]
+    with torch.inference_mode():
+        _run(model, [st], [x])
+    with pytest.raises(BadEventError):
+        model.respond(model.create_state("empty"))
+    assert model.commit(st) == 10 * FRAME
+    model.respond(st)
+    assert model.is_responding(st)
+    model.cancel_response(st)
+    assert not model.is_responding(st)
+    model.release_state(st)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vad_on_cuda_matches_cpu(model: ParrotModel) -> None:
+    gpu = ParrotModel(torch.device("cuda"))
+    signals = np.stack([pad_frames(load_speech(n))[:FRAME] for n in SPEECH[:8]])
+    cpu_states = [model.create_state(f"c{i}") for i in range(8)]
+    gpu_states = [gpu.create_state(f"g{i}") for i in range(8)]
+    for _ in range(3):
+        a = model.vad(np.array([s.slot for s in cpu_states]), signals)
+        b = gpu.vad(np.array([s.slot for s in gpu_states]), signals)
+        np.testing.assert_allclose(a, b, atol=1e-3)
+    assert gpu._state.device.type == "cuda"

@@ -1,0 +1,296 @@
+"""The worker over gRPC, in process (grpc.aio, ephemeral port): batching, sparse outputs, fencing,
+the parrot turn, bad submissions, health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from duplex.v1 import worker_pb2
+from tests.worker_helpers import (
+    APPEND,
+    CLEAR,
+    COMMIT,
+    FRAME,
+    RESPOND,
+    STARTED,
+    RunClient,
+    audio_of,
+    error_codes,
+    fence,
+    load_speech,
+    pad_frames,
+    pcm,
+    quantize,
+    sub,
+    updates_of,
+    worker,
+)
+from worker_service.models.parrot import ParrotModel, parrot_reply
+from worker_service.servicer import SERVICE_NAME
+
+
+async def attach(stub, session: str, owner: str, epoch: int = 1, takeover: bool = False) -> int:
+    resp = await stub.Attach(
+        worker_pb2.AttachRequest(session_id=session, epoch=epoch, owner=owner, takeover=takeover), timeout=5
+    )
+    return int(resp.epoch)
+
+
+def noise(frames: int, seed: int = 0, level: float = 0.2) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(frames * FRAME) * level).astype(np.float32)
+
+
+async def test_describe() -> None:
+    async with worker() as (_, stub):
+        d = await stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
+    assert (d.model_id, d.device, d.frame_samples, d.max_batch) == ("parrot", "cpu", 512, 256)
+    assert (d.audio_format.sample_rate_hz, d.audio_format.channels) == (16000, 1)
+    assert d.worker_id
+
+
+async def test_two_sessions_share_one_step_and_listeners_are_not_in_sparse_ids() -> None:
+    async with worker() as (_, stub):
+        for s in ("s1", "s2"):
+            await attach(stub, s, "o1")
+        run = RunClient(stub, "o1")
+        x = pcm(noise(3))
+        run.send(sub("r1", "s1", APPEND, seq=1, data=x), sub("r2", "s2", APPEND, seq=1, data=x))
+        msgs = await run.until(lambda m: m.step > 0)
+        first = msgs[-1]
+        assert [e.request_id for e in first.batch] == ["r1", "r2"]
+        assert first.outputs.output_type == worker_pb2.OUTPUT_TYPE_AUDIO
+        # Both only listen: sparse, no ids, no payloads.
+        assert first.outputs.sparse_audio and not first.outputs.req_id and not first.outputs.audio
+        msgs += await run.until(lambda m: any(u.input_seq == 1 for u in m.updates) and len(m.batch) == 2)
+        # One frame per request per step: three steps for three frames.
+        assert sum(1 for m in msgs if m.step) == 3
+        run.close()
+
+
+async def test_full_parrot_turn_over_grpc() -> None:
+    speech = load_speech("hello.wav")
+    signal = pad_frames(speech, silence_s=0.8)
+    async with worker() as (_, stub):
+        await attach(stub, "s1", "o1")
+        run = RunClient(stub, "o1")
+        # Frames in several commands, several frames per message, as the session service sends them.
+        chunks = [signal[i : i + 8 * FRAME] for i in range(0, len(signal), 8 * FRAME)]
+        for seq, chunk in enumerate(chunks, 1):
+            run.send(sub("r1", "s1", APPEND, seq=seq, data=pcm(chunk)))
+        msgs = await run.until(lambda m: any(u.turn_ended for u in m.updates))
+        ups = updates_of(msgs, "r1")
+        start = next(v.sample_offset for u in ups for v in u.vad if v.kind == STARTED)
+        committed = next(u.committed_samples for u in ups if u.turn_ended)
+        assert 0.5 * len(speech) < committed <= len(signal)
+        run.send(sub("r1", "s1", RESPOND, turn=1))
+        msgs += await run.until(lambda m: any(u.response_finished for u in m.updates))
+        reply_ups = [u for u in updates_of(msgs, "r1") if u.response_started or u.response_finished]
+        assert [u.fence.turn_id for u in reply_ups] == [1, 1]
+        reply = np.frombuffer(audio_of(msgs, "r1"), dtype="<i2").astype(np.float32) / 32768.0
+        assert len(reply) == committed
+        # The committed utterance is the speech span padded by one frame before its start.
+        utterance = quantize(signal)[start - FRAME : start - FRAME + committed]
+        expected = parrot_reply(utterance, 4.0)
+        assert np.max(np.abs(reply - expected)) < 2e-4
+        assert np.corrcoef(reply, utterance)[0, 1] < 0.9  # recognisably altered
+        # Every reply frame is a sparse payload of r1 alone, one per step.
+        payload_steps = [m for m in msgs if m.outputs.req_id]
+        assert all(list(m.outputs.req_id) == ["r1"] and len(m.outputs.audio) == 1 for m in payload_steps)
+        assert len(payload_steps) == -(-committed // FRAME)
+        run.close()
+
+
+async def test_stale_epoch_is_rejected_and_its_work_never_runs() -> None:
+    async with worker() as (_, stub):
+        await attach(stub, "s1", "o1", epoch=3)
+        run = RunClient(stub, "o1")
+        run.send(sub("r1", "s1", APPEND, epoch=2, seq=1, data=pcm(noise(2))))
+        msgs = await run.until(lambda m: m.step == 0)
+        assert error_codes(msgs, "r1") == ["stale_epoch"]
+        assert msgs[-1].updates[0].fence.epoch == 2
+        # Queued work of an older epoch is dropped when a newer epoch arrives.
+        run.send(sub("r1", "s1", APPEND, epoch=3, seq=1, data=pcm(noise(300))))
+        run.send(
+            sub("r1", "s1", APPEND, epoch=4, seq=1, data=pcm(noise(2))),
+        )
+        msgs = await run.until(lambda m: any(e.fence.epoch == 4 for e in m.batch))
+        msgs += await run.quiet(0.3)
+        epochs = [e.fence.epoch for m in msgs for e in m.batch]
+        assert epochs.count(3) < 300 and epochs.count(4) == 2
+        first4 = epochs.index(4)
+        assert all(ep == 4 for ep in epochs[first4:])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await attach(stub, "s1", "o1", epoch=3)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        run.close()
+
+
+async def test_newer_epoch_aborts_a_running_reply() -> None:
+    utterance = noise(300, level=0.1)  # ~10 s: the reply is still running when the abort arrives
+    async with worker() as (_, stub):
+        await attach(stub, "s1", "o1")
+        run = RunClient(stub, "o1")
+        run.send(
+            sub("r1", "s1", APPEND, seq=1, data=pcm(utterance), params={"auto_commit": False}),
+            sub("r1", "s1", COMMIT),
+            sub("r1", "s1", RESPOND, turn=1),
+        )
+        msgs = await run.until(lambda m: any(u.response_started for u in m.updates))
+        run.send(
+            sub("r1", "s1", APPEND, epoch=2, turn=1, seq=1, data=pcm(noise(1))),
+            aborts=(worker_pb2.Abort(request_id="r1", fence=fence("s1", 2, 1), reason="barge_in"),),
+        )
+        after = await run.until(lambda m: any(e.fence.epoch == 2 for e in m.batch))
+        after += await run.quiet(0.3)
+        all_msgs = msgs + after
+        assert not any(u.response_finished for u in updates_of(all_msgs, "r1"))
+        assert len(audio_of(all_msgs, "r1")) < 2 * len(utterance)
+        first2 = next(i for i, m in enumerate(after) if any(e.fence.epoch == 2 for e in m.batch))
+        for m in after[first2:]:
+            assert not m.outputs.audio and all(e.fence.epoch == 2 for e in m.batch)
+        run.close()
+
+
+async def test_owners_see_only_their_own_requests() -> None:
+    async with worker() as (_, stub):
+        await attach(stub, "sa", "A")
+        await attach(stub, "sb", "B")
+        a, b = RunClient(stub, "A"), RunClient(stub, "B")
+        for run, sid, rid in ((a, "sa", "ra"), (b, "sb", "rb")):
+            run.send(
+                sub(rid, sid, APPEND, seq=1, data=pcm(noise(20)), params={"auto_commit": False}),
+                sub(rid, sid, COMMIT),
+                sub(rid, sid, RESPOND, turn=1),
+            )
+        got_a = await a.until(lambda m: any(u.response_finished for u in m.updates))
+        got_b = await b.until(lambda m: any(u.response_finished for u in m.updates))
+        for got, mine in ((got_a, "ra"), (got_b, "rb")):
+            ids = {e.request_id for m in got for e in m.batch}
+            ids |= {u.request_id for m in got for u in m.updates}
+            ids |= {r for m in got for r in m.outputs.req_id}
+            assert ids == {mine}
+            assert len(audio_of(got, mine)) == 20 * FRAME * 2
+        a.close()
+        b.close()
+
+
+async def test_takeover_fences_the_old_owner() -> None:
+    async with worker() as (_, stub):
+        assert await attach(stub, "s1", "old", epoch=5) == 5
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await attach(stub, "s1", "new", epoch=5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        old = RunClient(stub, "old")
+        old.send(
+            sub("r1", "s1", APPEND, epoch=5, seq=1, data=pcm(noise(200)), params={"auto_commit": False}),
+        )
+        await old.until(lambda m: m.step > 0)
+        granted = await attach(stub, "s1", "new", epoch=1, takeover=True)
+        assert granted == 6
+        resp = await stub.Attach(worker_pb2.AttachRequest(session_id="s1", epoch=6, owner="new"), timeout=5)
+        assert resp.resumed
+        old.send(
+            sub("r1", "s1", COMMIT, epoch=5),
+            sub("r1", "s1", COMMIT, epoch=6),
+        )
+        got = await old.until(lambda m: len(error_codes([m], "r1")) == 2)
+        assert error_codes(got, "r1")[-2:] == ["stale_epoch", "not_owner"]
+        got += await old.quiet(0.3)
+        # Nothing of epoch 5 is stepped for the old owner once the takeover is processed.
+        assert not any(m.step for m in got[-3:])
+        new = RunClient(stub, "new")
+        new.send(sub("n1", "s1", APPEND, epoch=6, seq=1, data=pcm(noise(2))))
+        got_new = await new.until(lambda m: any(u.input_seq == 1 for u in m.updates))
+        assert {e.request_id for m in got_new for e in m.batch} == {"n1"}
+        old.close()
+        new.close()
+
+
+async def test_bad_submissions_get_errors_and_others_go_on() -> None:
+    async with worker(max_queued_frames=50) as (_, stub):
+        for s in ("s1", "s2", "s3", "s4", "s5"):
+            await attach(stub, s, "o1")
+        run = RunClient(stub, "o1")
+        run.send(
+            sub("r1", "s1", APPEND, seq=7, data=pcm(noise(2))),
+            sub("r2", "s2", APPEND, seq=1, data=b"\x00" * 1000),  # partial frame
+            sub("r3", "s3", 99),  # unknown kind
+            sub("r4", "s4", COMMIT, params={"silence_ms": "soon"}),
+            sub("r5", "s5", APPEND, seq=1, data=pcm(noise(51))),  # over the queue bound
+            sub("r6", "nope", CLEAR),  # not attached
+            sub("r1", "s1", RESPOND, turn=1),  # nothing committed
+        )
+        msgs = await run.until(lambda m: any(u.input_seq == 7 for u in m.updates))
+        msgs += await run.quiet(0.2)
+        assert error_codes(msgs, "r2") == ["bad_submission"]
+        assert error_codes(msgs, "r3") == ["bad_submission"]
+        assert error_codes(msgs, "r4") == ["bad_submission"]
+        assert error_codes(msgs, "r5") == ["capacity"]
+        assert error_codes(msgs, "r6") == ["unknown_session"]
+        assert error_codes(msgs, "r1") == ["no_committed_input"]
+        assert sum(1 for m in msgs for e in m.batch if e.request_id == "r1") == 2
+        run.close()
+
+
+async def test_health_goes_serving_once_the_model_is_loaded() -> None:
+    gate = threading.Event()
+
+    def slow_model(device):
+        assert gate.wait(10)
+        return ParrotModel(device)
+
+    from worker_service.config import WorkerConfig
+    from worker_service.server import WorkerServer
+
+    server = WorkerServer(WorkerConfig(metrics_port=-1, drain_grace_s=0.1), model_factory=slow_model)
+    await server.start(wait_ready=False)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", SERVICE_NAME):
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await attach(worker_pb2_stub(channel), "s1", "o1")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            gate.set()
+            await asyncio.wait_for(server.wait_ready(), 10)
+            for _ in range(100):
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                await asyncio.sleep(0.02)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            await server.drain()
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        gate.set()
+        await server.stop(grace=0.1)
+
+
+def worker_pb2_stub(channel):
+    from duplex.v1 import worker_pb2_grpc
+
+    return worker_pb2_grpc.DuplexWorkerStub(channel)
+
+
+async def test_reflection_lists_the_service() -> None:
+    async with worker() as (server, _):
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+            async def requests():
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            async for resp in stub.ServerReflectionInfo(requests(), timeout=5):
+                names = {s.name for s in resp.list_services_response.service}
+                break
+    assert SERVICE_NAME in names and "grpc.health.v1.Health" in names

@@ -1,0 +1,121 @@
+"""``duplex worker``: run one worker process (see docs/worker-protocol.md for the contract)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from duplex.errors import DuplexError
+from duplex.serving import split_host_port
+from worker_service.config import WorkerConfig
+from worker_service.models import MODELS
+from worker_service.server import WorkerServer
+
+logger = logging.getLogger("worker_service")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="duplex worker", description="Run a batched model worker (gRPC).")
+    p.add_argument("--model", choices=sorted(MODELS), default="parrot")
+    p.add_argument("--listen", default="127.0.0.1:0", help="gRPC HOST:PORT (port 0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = any free port)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda[:i]")
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--max-sessions", type=int, default=0, help="0 = unbounded")
+    p.add_argument("--max-queued-frames", type=int, default=1024, help="per-request input queue bound")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--drain-grace-s", type=float, default=5.0)
+    p.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
+    p.add_argument("--log-level", default="INFO")
+    parrot = p.add_argument_group("parrot model")
+    parrot.add_argument("--silence-ms", type=float, default=None)
+    parrot.add_argument("--pitch-semitones", type=float, default=None)
+    parrot.add_argument("--threshold", type=float, default=None)
+    parrot.add_argument("--no-auto-commit", action="store_true")
+    synth = p.add_argument_group("synthetic model")
+    synth.add_argument("--hidden-size", type=int, default=None)
+    synth.add_argument("--layers", type=int, default=None)
+    synth.add_argument("--emit-every", type=int, default=None)
+    synth.add_argument("--reply-frames", type=int, default=None)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    split_host_port(args.listen)  # validates HOST:PORT
+    if args.model == "parrot":
+        keys = {
+            "silence_ms": args.silence_ms,
+            "pitch_semitones": args.pitch_semitones,
+            "threshold": args.threshold,
+        }
+        options: dict[str, object] = {k: v for k, v in keys.items() if v is not None}
+        if args.no_auto_commit:
+            options["auto_commit"] = False
+    else:
+        keys = {
+            "hidden_size": args.hidden_size,
+            "layers": args.layers,
+            "emit_every": args.emit_every,
+            "reply_frames": args.reply_frames,
+        }
+        options = {k: v for k, v in keys.items() if v is not None}
+    host = split_host_port(args.listen)[0]
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    return WorkerConfig(
+        model=args.model,
+        listen=args.listen,
+        metrics_host=host,
+        metrics_port=args.metrics_port,
+        device=args.device,
+        max_batch=args.max_batch,
+        max_sessions=args.max_sessions,
+        max_queued_frames=args.max_queued_frames,
+        drain_grace_s=args.drain_grace_s,
+        torch_threads=args.torch_threads,
+        model_options=options,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+async def serve(config: WorkerConfig) -> int:
+    server = WorkerServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    metrics = f"{config.metrics_host}:{server.metrics.port}" if server.metrics else ""
+    print(json.dumps({"event": "listening", "grpc": server.address, "metrics": metrics}), flush=True)
+    model = server.state.model
+    assert model is not None
+    logger.info(
+        "worker %s serving model %s on %s at %s",
+        config.worker_id,
+        model.model_id,
+        model.device,
+        server.address,
+    )
+    await stop.wait()
+    logger.info("draining")
+    await server.stop()
+    logger.info("stopped")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+        return asyncio.run(serve(config))
+    except (DuplexError, ValueError) as exc:
+        print(f"duplex worker: {exc}", file=sys.stderr)
+        return 2

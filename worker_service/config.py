@@ -1,0 +1,53 @@
+"""The worker's configuration: one frozen value built by the CLI (or a test) and read everywhere."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+def _worker_id() -> str:
+    return "worker-" + uuid.uuid4().hex[:8]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a worker process needs to start; model-specific knobs live in ``model_options``."""
+
+    model: str = "parrot"
+    """Registered model name (``worker_service.models.MODELS``)."""
+    listen: str = "127.0.0.1:0"
+    """gRPC ``HOST:PORT``; port 0 picks a free port."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of the Prometheus ``/metrics`` HTTP endpoint."""
+    metrics_port: int = 0
+    """Port of ``/metrics``; 0 picks a free port, -1 disables it (in-process tests)."""
+    device: str = "auto"
+    """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    max_batch: int = 256
+    """Most requests stepped in one model step; more are served round-robin."""
+    max_sessions: int = 0
+    """Most sessions holding model state at once (0 = unbounded); Attach beyond it is refused."""
+    max_queued_frames: int = 1024
+    """Per-request input queue bound, in frames (~33 s at 32 ms); APPENDs beyond it get ``capacity``."""
+    max_output_steps: int = 2048
+    """Per-owner output queue bound, in StepOutputs; an owner that falls this far behind is cut off."""
+    worker_id: str = field(default_factory=_worker_id)
+    """This worker's id (logs, Describe)."""
+    drain_grace_s: float = 5.0
+    """On SIGTERM: how long in-flight replies may run on before the streams are ended."""
+    torch_threads: int = 0
+    """Intra-op threads of the engine's torch (0 = torch's default)."""
+    model_options: Mapping[str, object] = field(default_factory=dict)
+    """Model construction options (e.g. ``silence_ms``, ``hidden_size``), validated by the model."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if self.max_sessions < 0:
+            raise ValueError("max_sessions must be >= 0")
+        if self.max_queued_frames < 1:
+            raise ValueError("max_queued_frames must be >= 1")
+        if self.max_output_steps < 1:
+            raise ValueError("max_output_steps must be >= 1")

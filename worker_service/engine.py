@@ -1,0 +1,556 @@
+"""The engine: ONE thread owns torch and the device and steps every request that has work.
+
+Continuous batching (vLLM v1 style): requests join and leave between steps; each step takes
+every runnable request (up to ``max_batch``, round-robin beyond it), consumes at most one input
+frame per request, runs one batched model step, and hands per-owner results to ``sink`` without
+waiting for anyone (the server's sink is ``loop.call_soon_threadsafe`` into bounded per-owner
+queues). When nothing is runnable the thread blocks on a condition: no busy waiting.
+
+The asyncio side talks to the engine only through ordered commands (``Enqueue``, ``AbortOlder``,
+``ReleaseSession``) applied between steps, so model state and queues need no locks. Errors are
+split the vLLM v1 way: a per-request failure becomes that request's error update and the batch
+goes on; an exception escaping the model's batched step is fatal (``on_fatal``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import numpy as np
+import torch
+
+from duplex.errors import DuplexError, ErrorCode, InternalError
+from duplex.sparse import UNKNOWN_REQUEST_TOTAL, InvalidSparseDeclaration, SparseCause, record_fail_closed
+from duplex.v1 import common_pb2, worker_pb2
+from worker_service.metrics import ACTIVE_REQUESTS, BATCH_SIZE, FENCED, QUEUE_DEPTH, STEP_DURATION
+from worker_service.model import AUDIO, FloatArray, RequestNews, StepBatch, StepModel
+from worker_service.sparse_adapter import adapt_multimodal_outputs
+
+logger = logging.getLogger(__name__)
+
+APPEND = worker_pb2.SUBMISSION_KIND_APPEND
+COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
+RESPOND = worker_pb2.SUBMISSION_KIND_RESPOND
+CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
+
+
+@dataclass(frozen=True, slots=True)
+class FenceToken:
+    """A domain copy of ``duplex.v1.Fence``."""
+
+    session_id: str
+    epoch: int
+    turn_id: int
+
+
+class QueueCounter:
+    """A request's queued input in units (frames; 1 per non-APPEND submission).
+
+    Lock-free across threads: only the asyncio side writes ``submitted`` and only the engine
+    writes ``retired``, so ``depth`` is at worst a little stale, never corrupt.
+    """
+
+    __slots__ = ("retired", "submitted")
+
+    def __init__(self) -> None:
+        self.submitted = 0
+        self.retired = 0
+
+    @property
+    def depth(self) -> int:
+        return self.submitted - self.retired
+
+
+@dataclass(slots=True, eq=False)
+class Work:
+    """One submission, queued for its request."""
+
+    kind: int
+    fence: FenceToken
+    owner: str
+    request_id: str
+    seq: int = 0
+    frames: FloatArray | None = None
+    """APPEND: ``(n, frame_samples)`` float32."""
+    pos: int = 0
+    """APPEND: frames consumed so far."""
+    options: object | None = None
+    """Parsed ``params`` to apply before the submission's effect."""
+
+    @property
+    def units(self) -> int:
+        """Queue units this work still holds."""
+        return len(self.frames) - self.pos if self.frames is not None else 1
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    work: Work
+    counter: QueueCounter
+
+
+@dataclass(frozen=True, slots=True)
+class AbortOlder:
+    """Drop the session's queued and running work of epochs below ``epoch``."""
+
+    session_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSession:
+    session_id: str
+
+
+EngineCommand = Enqueue | AbortOlder | ReleaseSession
+
+
+@dataclass(slots=True)
+class Update:
+    """Per-request news for one owner (``RequestUpdate`` in domain form)."""
+
+    request_id: str
+    fence: FenceToken
+    vad: list[tuple[int, int]] = field(default_factory=list)
+    text: str = ""
+    input_seq: int = 0
+    turn_ended: bool = False
+    committed_samples: int = 0
+    response_started: bool = False
+    response_finished: bool = False
+    error: tuple[str, str] | None = None
+
+
+@dataclass(slots=True)
+class OwnerStep:
+    """One step as one owner sees it (``StepOutput`` in domain form); ``step`` 0 = news only."""
+
+    step: int
+    batch: list[tuple[str, FenceToken]] = field(default_factory=list)
+    output_type: int = worker_pb2.OUTPUT_TYPE_UNSPECIFIED
+    sparse: bool = True
+    audio_ids: list[str] = field(default_factory=list)
+    """Sparse: the owner's request ids, aligned to ``audio``."""
+    audio: list[common_pb2.AudioPayload] = field(default_factory=list)
+    """Sparse: aligned to ``audio_ids``; dense: aligned to ``batch``."""
+    updates: list[Update] = field(default_factory=list)
+
+
+Sink = Callable[[list[tuple[str, OwnerStep]]], None]
+"""Receives each iteration's per-owner results on the engine thread; must never block."""
+
+
+class EngineDeadError(InternalError):
+    """The engine thread stopped on a fatal error; the worker no longer serves."""
+
+    def __init__(self) -> None:
+        super().__init__(ErrorCode.INTERNAL, "the worker's engine failed", retryable=True)
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    session_id: str
+    owner: str
+    request_id: str
+    state: Any
+    counter: QueueCounter
+    queue: deque[Work] = field(default_factory=deque)
+    epoch: int = 0
+    input_fence: FenceToken | None = None
+    reply_fence: FenceToken | None = None
+    seq_done: int = 0
+    seq_reported: int = 0
+
+
+def _error(work: Work, err: DuplexError) -> Update:
+    return Update(work.request_id, work.fence, error=(err.code, err.message))
+
+
+class Engine:
+    """Continuous-batching engine around one ``StepModel``; see the module docstring."""
+
+    def __init__(
+        self,
+        model_factory: Callable[[], StepModel[Any]],
+        *,
+        sink: Sink,
+        max_batch: int = 256,
+        on_ready: Callable[[StepModel[Any]], object] | None = None,
+        on_fatal: Callable[[BaseException], object] | None = None,
+        torch_threads: int = 0,
+    ) -> None:
+        self._factory = model_factory
+        self._sink = sink
+        self._max_batch = max_batch
+        self._on_ready = on_ready
+        self._on_fatal = on_fatal
+        self._torch_threads = torch_threads
+        self._cond = threading.Condition()
+        self._inbox: list[EngineCommand] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name="duplex-engine", daemon=True)
+        self.model: StepModel[Any] | None = None
+        self.dead: BaseException | None = None
+        # Engine-thread state.
+        self._requests: dict[str, _Request] = {}
+        self._runnable: OrderedDict[str, _Request] = OrderedDict()
+        self._queued_units = 0
+        self._step_no = 0
+        self._fmt: common_pb2.AudioFormat | None = None
+
+    # -- the asyncio side's API (thread-safe) ---------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, commands: Sequence[EngineCommand]) -> None:
+        """Queue commands for the engine thread (applied in order before its next step)."""
+        if self.dead is not None:
+            raise EngineDeadError()
+        if not commands:
+            return
+        with self._cond:
+            self._inbox.extend(commands)
+            self._cond.notify()
+
+    @property
+    def idle(self) -> bool:
+        """No queued commands and no runnable request (a racy snapshot, for draining)."""
+        return not self._inbox and not self._runnable
+
+    @property
+    def steps(self) -> int:
+        return self._step_no
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the engine thread -----------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            if self._torch_threads:
+                torch.set_num_threads(self._torch_threads)
+            # Inference mode for the thread's lifetime: the model's state tensors are created
+            # and updated in place under it, with no autograd bookkeeping.
+            with torch.inference_mode():
+                model = self._factory()
+                self.model = model
+                self._fmt = model.audio_format.to_proto()
+                if self._on_ready is not None:
+                    self._on_ready(model)
+                while self._iterate(model):
+                    pass
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.dead = exc
+        logger.critical("engine failed; the worker stops serving", exc_info=exc)
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
+
+    def _iterate(self, model: StepModel[Any]) -> bool:
+        with self._cond:
+            while not self._inbox and not self._runnable and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return False
+            commands, self._inbox = self._inbox, []
+        news: dict[str, list[Update]] = {}
+        self._apply(model, commands, news)
+        results: list[tuple[str, OwnerStep]] = []
+        step_outputs = self._step(model, news) if self._runnable else []
+        results = [(owner, OwnerStep(step=0, updates=u)) for owner, u in news.items() if u]
+        results.extend(step_outputs)
+        ACTIVE_REQUESTS.set(len(self._requests))
+        QUEUE_DEPTH.labels(queue="input").set(self._queued_units)
+        if results:
+            self._sink(results)
+        return True
+
+    # -- commands --------------------------------------------------------------------------------
+
+    def _apply(
+        self, model: StepModel[Any], commands: list[EngineCommand], news: dict[str, list[Update]]
+    ) -> None:
+        for cmd in commands:
+            if isinstance(cmd, Enqueue):
+                self._enqueue(model, cmd, news)
+            elif isinstance(cmd, AbortOlder):
+                self._abort_older(model, cmd)
+            else:
+                self._release(model, cmd.session_id)
+
+    def _enqueue(self, model: StepModel[Any], cmd: Enqueue, news: dict[str, list[Update]]) -> None:
+        work = cmd.work
+        sid = work.fence.session_id
+        req = self._requests.get(sid)
+        if req is None:
+            try:
+                state = model.create_state(sid)
+            except Exception as exc:
+                cmd.counter.retired += work.units
+                news.setdefault(work.owner, []).append(_error(work, self._model_failure(exc)))
+                return
+            req = self._requests[sid] = _Request(sid, work.owner, work.request_id, state, cmd.counter)
+        if work.fence.epoch < req.epoch:
+            # Fenced on the asyncio side already; kept as a guard for the invariant.
+            cmd.counter.retired += work.units
+            FENCED.labels(reason="aborted").inc()
+            return
+        if work.fence.epoch > req.epoch:
+            self._drop_older(model, req, work.fence.epoch)
+        req.owner, req.request_id, req.counter = work.owner, work.request_id, cmd.counter
+        req.queue.append(work)
+        self._queued_units += work.units
+        if sid not in self._runnable:
+            self._runnable[sid] = req
+
+    def _abort_older(self, model: StepModel[Any], cmd: AbortOlder) -> None:
+        req = self._requests.get(cmd.session_id)
+        if req is not None and cmd.epoch > req.epoch:
+            self._drop_older(model, req, cmd.epoch)
+            if not req.queue and not model.is_responding(req.state):
+                self._runnable.pop(req.session_id, None)
+
+    def _drop_older(self, model: StepModel[Any], req: _Request, epoch: int) -> None:
+        req.epoch = epoch
+        # Append sequence numbers restart with the epoch.
+        req.seq_done = req.seq_reported = 0
+        kept: deque[Work] = deque()
+        for work in req.queue:
+            if work.fence.epoch >= epoch:
+                kept.append(work)
+                continue
+            req.counter.retired += work.units
+            self._queued_units -= work.units
+            FENCED.labels(reason="aborted").inc()
+        req.queue = kept
+        if req.reply_fence is not None and req.reply_fence.epoch < epoch:
+            model.cancel_response(req.state)
+            req.reply_fence = None
+            FENCED.labels(reason="aborted").inc()
+
+    def _release(self, model: StepModel[Any], session_id: str) -> None:
+        req = self._requests.pop(session_id, None)
+        self._runnable.pop(session_id, None)
+        if req is None:
+            return
+        for work in req.queue:
+            req.counter.retired += work.units
+            self._queued_units -= work.units
+        req.queue.clear()
+        try:
+            model.release_state(req.state)
+        except Exception:
+            logger.exception("model failed to release a request's state")
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def _model_failure(self, exc: Exception) -> DuplexError:
+        if isinstance(exc, DuplexError):
+            return exc
+        # Details are logged, not sent.
+        logger.exception("model failed on a request", exc_info=exc)
+        return DuplexError(ErrorCode.MODEL_ERROR, "the model failed on this request")
+
+    def _prepare(
+        self, model: StepModel[Any], req: _Request, news: dict[str, list[Update]]
+    ) -> FloatArray | None:
+        """Run the request's leading control submissions; take at most one input frame."""
+        while req.queue:
+            work = req.queue[0]
+            try:
+                if work.options is not None:
+                    model.set_options(req.state, work.options)
+                    work.options = None
+                if work.kind == APPEND:
+                    assert work.frames is not None
+                    frame: FloatArray = work.frames[work.pos]
+                    work.pos += 1
+                    req.counter.retired += 1
+                    self._queued_units -= 1
+                    req.input_fence = work.fence
+                    if work.pos == len(work.frames):
+                        req.queue.popleft()
+                        req.seq_done = work.seq
+                    return frame
+                req.queue.popleft()
+                req.counter.retired += 1
+                self._queued_units -= 1
+                if work.kind == COMMIT:
+                    n = model.commit(req.state)
+                    news.setdefault(work.owner, []).append(
+                        Update(work.request_id, work.fence, committed_samples=n)
+                    )
+                elif work.kind == RESPOND:
+                    model.respond(req.state)
+                    req.reply_fence = work.fence
+                elif work.kind == CLEAR:
+                    model.clear(req.state)
+            except Exception as exc:
+                if work.kind == APPEND and req.queue and req.queue[0] is work:
+                    req.queue.popleft()
+                    req.counter.retired += work.units
+                    self._queued_units -= work.units
+                news.setdefault(work.owner, []).append(_error(work, self._model_failure(exc)))
+        return None
+
+    def _select(self) -> list[_Request]:
+        runnable = self._runnable
+        if len(runnable) <= self._max_batch:
+            return list(runnable.values())
+        chosen = list(islice(runnable.values(), self._max_batch))
+        # Round-robin: the chosen go to the back of the line.
+        for req in chosen:
+            runnable.move_to_end(req.session_id)
+        return chosen
+
+    def _step(self, model: StepModel[Any], news: dict[str, list[Update]]) -> list[tuple[str, OwnerStep]]:
+        t0 = time.perf_counter()
+        batch: list[_Request] = []
+        fences: list[FenceToken] = []
+        rows: list[FloatArray | None] = []
+        for req in self._select():
+            frame = self._prepare(model, req, news)
+            replying = req.reply_fence is not None and model.is_responding(req.state)
+            if frame is None and not replying:
+                if not req.queue:
+                    self._runnable.pop(req.session_id, None)
+                continue
+            fence = req.reply_fence if replying else req.input_fence
+            assert fence is not None
+            batch.append(req)
+            fences.append(fence)
+            rows.append(frame)
+        if not batch:
+            return []
+        self._step_no += 1
+        size = len(batch)
+        frames = np.zeros((size, model.frame_samples), dtype=np.float32)
+        has_input = np.zeros(size, dtype=np.bool_)
+        for i, row in enumerate(rows):
+            if row is not None:
+                frames[i] = row
+                has_input[i] = True
+        req_ids = [r.session_id for r in batch]
+        result = model.step(
+            StepBatch(req_ids=req_ids, states=[r.state for r in batch], frames=frames, has_input=has_input)
+        )
+        outputs = adapt_multimodal_outputs(
+            result.outputs, output_type=result.output_type, batch_req_ids=req_ids, audio_format=self._fmt
+        )
+        per_owner: dict[str, OwnerStep] = {}
+        for req, fence in zip(batch, fences, strict=True):
+            out = per_owner.get(req.owner)
+            if out is None:
+                out = per_owner[req.owner] = OwnerStep(step=self._step_no, output_type=outputs.output_type)
+            out.batch.append((req.request_id, fence))
+        self._route_audio(outputs, batch, per_owner)
+        self._collect_news(model, batch, fences, result.news, per_owner)
+        for req in batch:
+            if req.reply_fence is not None and not model.is_responding(req.state):
+                req.reply_fence = None
+            if not req.queue and req.reply_fence is None:
+                self._runnable.pop(req.session_id, None)
+        BATCH_SIZE.observe(size)
+        STEP_DURATION.observe(time.perf_counter() - t0)
+        return list(per_owner.items())
+
+    def _collect_news(
+        self,
+        model: StepModel[Any],
+        batch: list[_Request],
+        fences: list[FenceToken],
+        step_news: list[RequestNews | None],
+        per_owner: dict[str, OwnerStep],
+    ) -> None:
+        if len(step_news) != len(batch):
+            raise RuntimeError(f"model returned news for {len(step_news)} of {len(batch)} requests")
+        for req, fence, n in zip(batch, fences, step_news, strict=True):
+            seq_changed = req.seq_done != req.seq_reported
+            if n is None and not seq_changed:
+                continue
+            upd = Update(req.request_id, fence)
+            if n is not None and n.error is not None:
+                logger.warning("model error on a request: %s", n.error)
+                upd.error = (ErrorCode.MODEL_ERROR.value, "the model failed on this request")
+                if req.reply_fence is not None:
+                    model.cancel_response(req.state)
+            else:
+                if seq_changed:
+                    upd.input_seq = req.seq_reported = req.seq_done
+                if n is not None:
+                    upd.vad = n.vad
+                    upd.text = n.text
+                    upd.turn_ended = n.turn_ended
+                    upd.committed_samples = n.committed_samples
+                    upd.response_started = n.response_started
+                    upd.response_finished = n.response_finished
+            per_owner[req.owner].updates.append(upd)
+
+    def _route_audio(
+        self, outputs: worker_pb2.MultimodalOutputs, batch: list[_Request], per_owner: dict[str, OwnerStep]
+    ) -> None:
+        """Slice the step's payloads per owner (sparse stays sparse, dense keeps positions).
+
+        A typed declaration that does not line up fails closed here like a legacy one does in
+        the adapter: the step routes no payload at all.
+        """
+        if outputs.output_type != AUDIO:
+            return
+        try:
+            if outputs.sparse_audio:
+                self._route_sparse(outputs, batch, per_owner)
+            else:
+                self._route_dense(outputs, batch, per_owner)
+        except InvalidSparseDeclaration as err:
+            record_fail_closed(err, site="worker_engine")
+            for out in per_owner.values():
+                out.sparse, out.audio_ids, out.audio = True, [], []
+
+    def _route_sparse(
+        self, outputs: worker_pb2.MultimodalOutputs, batch: list[_Request], per_owner: dict[str, OwnerStep]
+    ) -> None:
+        ids = list(outputs.req_id)
+        if len(ids) != len(outputs.audio):
+            raise InvalidSparseDeclaration(
+                SparseCause.LENGTH_MISMATCH, "typed", f"{len(outputs.audio)} payloads for {len(ids)} ids"
+            )
+        if len(set(ids)) != len(ids):
+            raise InvalidSparseDeclaration(SparseCause.DUPLICATE_REQ_IDS, "typed", "duplicate request ids")
+        in_batch = {r.session_id: r for r in batch}
+        for sid, payload in zip(ids, outputs.audio, strict=True):
+            req = in_batch.get(sid)
+            if req is None:
+                UNKNOWN_REQUEST_TOTAL.inc()
+                continue
+            out = per_owner[req.owner]
+            out.audio_ids.append(req.request_id)
+            out.audio.append(payload)
+
+    def _route_dense(
+        self, outputs: worker_pb2.MultimodalOutputs, batch: list[_Request], per_owner: dict[str, OwnerStep]
+    ) -> None:
+        if len(outputs.audio) != len(batch):
+            raise InvalidSparseDeclaration(
+                SparseCause.DENSE_COUNT_MISMATCH,
+                "typed",
+                f"{len(outputs.audio)} payloads, batch {len(batch)}",
+            )
+        for out in per_owner.values():
+            out.sparse = False
+        for req, payload in zip(batch, outputs.audio, strict=True):
+            per_owner[req.owner].audio.append(payload)

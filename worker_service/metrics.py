@@ -1,0 +1,65 @@
+"""The worker's Prometheus metrics (``duplex_worker_`` prefix, base units, no per-session labels).
+
+The ``duplex_sparse_*`` counters live in ``duplex.sparse`` (shared with the session service) and
+are registered by importing it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import Counter, Gauge, Histogram
+
+import duplex.sparse  # noqa: F401  (registers the duplex_sparse_* counters in this process)
+
+STEP_DURATION: Final = Histogram(
+    "duplex_worker_step_duration_seconds",
+    "Wall time of one engine step (batch assembly, model step, output routing).",
+    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0),
+)
+BATCH_SIZE: Final = Histogram(
+    "duplex_worker_batch_size",
+    "Requests stepped in one engine step.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+)
+ACTIVE_REQUESTS: Final = Gauge(
+    "duplex_worker_active_requests", "Requests (sessions) holding model state in the engine."
+)
+QUEUE_DEPTH: Final = Gauge(
+    "duplex_worker_queue_depth",
+    "Queued work: input frames waiting for the engine (queue=input), StepOutputs waiting for "
+    "their owner's stream (queue=output).",
+    ["queue"],
+)
+FENCED: Final = Counter(
+    "duplex_worker_fenced",
+    "Work refused or dropped by fencing, by reason (stale_epoch, not_owner, unknown_session, "
+    "aborted: queued/running work dropped by a newer epoch, stale_output: stepped output stripped "
+    "at delivery).",
+    ["reason"],
+)
+SUBMISSIONS: Final = Counter("duplex_worker_submissions", "Submissions received, by kind.", ["kind"])
+REQUEST_ERRORS: Final = Counter(
+    "duplex_worker_request_errors",
+    "Error updates sent to owners, by WorkerError code.",
+    ["code"],
+)
+OWNER_STREAMS: Final = Gauge("duplex_worker_owner_streams", "Open Run streams (one per owner).")
+OWNER_CUTOFFS: Final = Counter(
+    "duplex_worker_owner_cutoffs",
+    "Run streams ended because the owner fell too far behind (output queue full).",
+)
+ENGINE_FAILURES: Final = Counter(
+    "duplex_worker_engine_failures", "Fatal engine errors (the worker stops serving)."
+)
+
+FENCE_REASONS: Final = ("stale_epoch", "not_owner", "unknown_session", "aborted", "stale_output")
+SUBMISSION_KINDS: Final = ("append", "commit", "respond", "clear", "unknown")
+
+# Pre-create the bounded label values so dashboards and alerts see zero series from the start.
+for _r in FENCE_REASONS:
+    FENCED.labels(reason=_r)
+for _k in SUBMISSION_KINDS:
+    SUBMISSIONS.labels(kind=_k)
+for _q in ("input", "output"):
+    QUEUE_DEPTH.labels(queue=_q)

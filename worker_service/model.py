@@ -1,0 +1,221 @@
+"""The model API: what a model implements to be served by the engine, and nothing more.
+
+A model owns its per-request state (host values and device tensors alike) and one batched step.
+The engine owns everything around it: queues, fencing, batching, output routing. A new model
+implements ``StepModel`` and registers a factory in ``worker_service.models``; the engine is not
+touched.
+
+Threading: every method except ``parse_options`` runs on the engine thread, which owns torch and
+the device, so model code needs no locks. ``parse_options`` is pure and runs on the asyncio side
+(submissions are validated before they are queued).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from duplex.audio import PcmFormat
+from duplex.errors import BadEventError, DuplexError, ErrorCode
+from duplex.v1 import worker_pb2
+
+FloatArray = npt.NDArray[np.float32]
+S = TypeVar("S")
+
+#: Output types a step can declare (``worker_pb2.OutputType`` values).
+AUDIO: int = worker_pb2.OUTPUT_TYPE_AUDIO
+TEXT: int = worker_pb2.OUTPUT_TYPE_TEXT
+SPEECH_STARTED: int = worker_pb2.VadEvent.KIND_SPEECH_STARTED
+SPEECH_STOPPED: int = worker_pb2.VadEvent.KIND_SPEECH_STOPPED
+
+#: The wire code of a malformed submission (not a client-facing ErrorCode: worker protocol only).
+BAD_SUBMISSION = "bad_submission"
+
+
+def bad_submission(message: str) -> BadEventError:
+    """The typed error for a submission the worker refuses (answered with an error update)."""
+    return BadEventError(BAD_SUBMISSION, message)
+
+
+def no_committed_input() -> BadEventError:
+    return BadEventError(ErrorCode.NO_COMMITTED_INPUT, "RESPOND without committed input")
+
+
+class ModelError(DuplexError):
+    """A recoverable failure of one request inside the model (answered with ``model_error``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.MODEL_ERROR, message)
+
+
+@dataclass(slots=True)
+class RequestNews:
+    """What one request produced in one step besides audio (all optional)."""
+
+    vad: list[tuple[int, int]] = field(default_factory=list)
+    """``(VadEvent.Kind, sample_offset)`` pairs, in order."""
+    text: str = ""
+    """Text produced this step."""
+    turn_ended: bool = False
+    """Turn detection committed the input (``committed_samples`` says how much)."""
+    committed_samples: int = 0
+    """Samples committed with ``turn_ended``."""
+    response_started: bool = False
+    """The first reply frame is in this step."""
+    response_finished: bool = False
+    """The last reply frame is in this step."""
+    error: str | None = None
+    """A per-request model failure: the request gets a ``model_error`` update, the batch goes on."""
+
+
+@dataclass(slots=True)
+class StepBatch(Generic[S]):
+    """The input of one batched step."""
+
+    req_ids: list[str]
+    """Engine request ids (the session ids) in batch order: what a legacy ``meta.req_id`` names."""
+    states: list[S]
+    """Per-request model state, aligned to ``req_ids``."""
+    frames: FloatArray
+    """``(B, frame_samples)`` float32 in [-1, 1]; zeros where ``has_input`` is False."""
+    has_input: npt.NDArray[np.bool_]
+    """``(B,)``: which requests consumed an input frame this step."""
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The output of one batched step."""
+
+    outputs: object
+    """A typed ``worker_pb2.MultimodalOutputs`` or a legacy ``multimodal_outputs`` dict (the engine
+    converts it with ``adapt_multimodal_outputs``, failing closed); ``None`` for no payloads."""
+    news: list[RequestNews | None]
+    """Per batch position; ``None`` when a request has nothing to report."""
+    output_type: int = AUDIO
+    """The step's ``OutputType``."""
+
+
+class StepModel(ABC, Generic[S]):
+    """A model the engine can batch. Subclasses set the four class-level facts below."""
+
+    model_id: str
+    """Advertised in Describe; a session plugin refuses a worker with another id."""
+    audio_format: PcmFormat
+    """The PCM format of all audio in both directions."""
+    frame_samples: int
+    """Samples per input frame (APPEND carries whole frames) and per reply frame."""
+    device: torch.device
+    """Where the model's tensors live."""
+
+    @abstractmethod
+    def parse_options(self, params: Mapping[str, object]) -> object:
+        """Validate submission ``params`` into an options value (pure; runs off the engine thread).
+
+        Raises ``bad_submission`` for unknown keys or bad values. The result replaces the
+        request's options when its submission is reached (``set_options``)."""
+
+    @abstractmethod
+    def create_state(self, session_id: str) -> S:
+        """Fresh state for a session (first submission of a session, or after a release)."""
+
+    @abstractmethod
+    def release_state(self, state: S) -> None:
+        """Free what ``create_state`` took (device slots, buffers)."""
+
+    @abstractmethod
+    def set_options(self, state: S, options: object) -> None:
+        """Replace a request's options with a value from ``parse_options``."""
+
+    @abstractmethod
+    def commit(self, state: S) -> int:
+        """COMMIT: the uncommitted input becomes the utterance; returns its length in samples."""
+
+    @abstractmethod
+    def clear(self, state: S) -> None:
+        """CLEAR: drop uncommitted input."""
+
+    @abstractmethod
+    def respond(self, state: S) -> None:
+        """RESPOND: start a reply to the committed utterance (raise ``no_committed_input``)."""
+
+    @abstractmethod
+    def cancel_response(self, state: S) -> None:
+        """Stop a running reply now (a newer epoch aborted it); no further reply output."""
+
+    @abstractmethod
+    def is_responding(self, state: S) -> bool:
+        """Whether the request has reply frames left (it needs steps without input)."""
+
+    @abstractmethod
+    def step(self, batch: StepBatch[S]) -> StepResult:
+        """One batched step. Raising is fatal for the engine; per-request failures go in news."""
+
+
+class InputBuffer:
+    """A session's uncommitted input, as frames, with absolute sample offsets.
+
+    Bounded: when it holds more than ``cap`` samples the oldest frames are dropped, so a
+    session that never commits cannot grow without bound.
+    """
+
+    __slots__ = ("_frames", "end", "start")
+
+    def __init__(self, offset: int = 0) -> None:
+        self._frames: deque[FloatArray] = deque()
+        self.start = offset
+        """Input offset of the first buffered sample."""
+        self.end = offset
+        """Input offset just past the last buffered sample."""
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def append(self, frame: FloatArray, cap: int) -> None:
+        self._frames.append(frame)
+        self.end += len(frame)
+        while self.end - self.start > cap and len(self._frames) > 1:
+            self.start += len(self._frames.popleft())
+
+    def take(self, start: int, end: int, max_samples: int) -> FloatArray:
+        """The samples in ``[start, end)`` (clipped to the buffer, at most the last ``max_samples``),
+        then empty the buffer."""
+        data = np.concatenate(list(self._frames)) if self._frames else np.zeros(0, np.float32)
+        lo = max(start, self.start) - self.start
+        hi = min(end, self.end) - self.start
+        out = data[lo:hi] if hi > lo else np.zeros(0, np.float32)
+        self.clear()
+        return np.ascontiguousarray(out[-max_samples:], dtype=np.float32)
+
+    def clear(self) -> None:
+        self._frames.clear()
+        self.start = self.end
+
+
+def float_option(params: Mapping[str, object], key: str, default: float, lo: float, hi: float) -> float:
+    """Read a numeric option in ``[lo, hi]`` (Struct numbers arrive as float)."""
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_submission(f"option {key!r} must be a number")
+    if not lo <= float(value) <= hi:
+        raise bad_submission(f"option {key!r} must be in [{lo}, {hi}]")
+    return float(value)
+
+
+def bool_option(params: Mapping[str, object], key: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise bad_submission(f"option {key!r} must be a bool")
+    return value
+
+
+def check_option_keys(params: Mapping[str, object], known: frozenset[str]) -> None:
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise bad_submission(f"unknown option(s) {unknown}; known: {sorted(known)}")

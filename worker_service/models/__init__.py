@@ -1,0 +1,42 @@
+"""The model registry: name -> factory. A new model adds one line here and touches nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from duplex.errors import BadRequestError, DuplexError, ErrorCode
+from worker_service.model import StepModel
+
+ModelFactory = Callable[[torch.device, Mapping[str, object]], StepModel[Any]]
+
+
+def _parrot(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    from worker_service.models.parrot import ParrotModel
+
+    return ParrotModel(device, **options)  # type: ignore[arg-type]
+
+
+def _synthetic(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    from worker_service.models.synthetic import SyntheticModel
+
+    return SyntheticModel(device, **options)  # type: ignore[arg-type]
+
+
+MODELS: dict[str, ModelFactory] = {
+    "parrot": _parrot,
+    "synthetic": _synthetic,
+}
+
+
+def create_model(name: str, device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    """Build a registered model on ``device``; unknown names and bad options are BadRequestError."""
+    factory = MODELS.get(name)
+    if factory is None:
+        raise BadRequestError(ErrorCode.INVALID_CONFIG, f"unknown model {name!r}; known: {sorted(MODELS)}")
+    try:
+        return factory(device, options)
+    except (TypeError, ValueError, DuplexError) as exc:
+        raise BadRequestError(ErrorCode.INVALID_CONFIG, f"bad options for model {name!r}: {exc}") from exc

@@ -1,0 +1,295 @@
+"""``duplex.v1.DuplexWorker``: a thin adapter between protobuf messages and the domain.
+
+Commands are validated and fenced here, on the event loop, then handed to the engine in order;
+engine results are converted to ``StepOutput`` in each owner's stream writer, which first strips
+anything stepped under a fence the session has since moved past (so once an abort is processed,
+no older output reaches the owner, even if the engine stepped it a moment before).
+Errors are typed ``DuplexError``s; ``duplex.errors.abort`` is the one place they become statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, UnavailableError, abort
+from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker_service.config import WorkerConfig
+from worker_service.delivery import OutputHub, OwnerChannel
+from worker_service.engine import (
+    APPEND,
+    CLEAR,
+    COMMIT,
+    RESPOND,
+    AbortOlder,
+    Engine,
+    EngineCommand,
+    Enqueue,
+    FenceToken,
+    OwnerStep,
+    QueueCounter,
+    ReleaseSession,
+    Update,
+    Work,
+)
+from worker_service.fencing import FenceTable
+from worker_service.metrics import FENCED, REQUEST_ERRORS, SUBMISSIONS
+from worker_service.model import StepModel, bad_submission
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME: str = worker_pb2.DESCRIPTOR.services_by_name["DuplexWorker"].full_name
+_KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "clear"}
+
+
+@dataclass
+class ServingState:
+    """What the servicer needs to know about the server's lifecycle."""
+
+    model: StepModel[Any] | None = None
+    """Set once the model is loaded (the worker serves from then on)."""
+    draining: bool = False
+    failed: bool = False
+
+
+def _fence(fence: common_pb2.Fence) -> FenceToken:
+    return FenceToken(fence.session_id, fence.epoch, fence.turn_id)
+
+
+def _fence_pb(fence: FenceToken) -> common_pb2.Fence:
+    return common_pb2.Fence(session_id=fence.session_id, epoch=fence.epoch, turn_id=fence.turn_id)
+
+
+class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
+    def __init__(
+        self, config: WorkerConfig, state: ServingState, engine: Engine, hub: OutputHub, fences: FenceTable
+    ) -> None:
+        self._config = config
+        self._state = state
+        self._engine = engine
+        self._hub = hub
+        self._fences = fences
+        self._counters: dict[str, QueueCounter] = {}
+
+    def _serving_model(self) -> StepModel[Any]:
+        if self._state.failed:
+            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the worker's engine failed")
+        if self._state.draining:
+            raise UnavailableError(ErrorCode.DRAINING, "the worker is draining")
+        if self._state.model is None:
+            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the worker is still loading its model")
+        return self._state.model
+
+    # -- unary -----------------------------------------------------------------------------------
+
+    async def Describe(
+        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerDescription:
+        model = self._state.model
+        if model is None:
+            await abort(context, UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the model is loading"))
+        return worker_pb2.WorkerDescription(
+            model_id=model.model_id,
+            device=str(model.device),
+            max_batch=self._config.max_batch,
+            audio_format=model.audio_format.to_proto(),
+            frame_samples=model.frame_samples,
+            worker_id=self._config.worker_id,
+            max_sessions=self._config.max_sessions,
+        )
+
+    async def Attach(
+        self, request: worker_pb2.AttachRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.AttachResponse:
+        try:
+            self._serving_model()
+            if not request.session_id or not request.owner:
+                raise BadRequestError(ErrorCode.INVALID_EVENT, "Attach needs session_id and owner")
+            admission, was_live = self._fences.attach(
+                request.session_id, request.epoch, request.owner, request.takeover
+            )
+            if admission.bumped:
+                self._engine.submit([AbortOlder(request.session_id, admission.epoch)])
+        except DuplexError as err:
+            await abort(context, err)
+        return worker_pb2.AttachResponse(epoch=admission.epoch, resumed=was_live)
+
+    # -- the command stream ----------------------------------------------------------------------
+
+    async def Run(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.WorkerCommand],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[worker_pb2.StepOutput]:
+        try:
+            self._serving_model()
+            first = await anext(request_iterator, None)
+            if first is None:
+                return
+            if not first.owner:
+                raise BadRequestError(ErrorCode.INVALID_EVENT, "the first WorkerCommand must set owner")
+        except DuplexError as err:
+            await abort(context, err)
+        owner = first.owner
+        channel = self._hub.open(owner)
+        reader = asyncio.create_task(self._read(owner, first, request_iterator, channel))
+        try:
+            while True:
+                item = await channel.get()
+                if item is None:
+                    return
+                msg = self._to_proto(owner, item)
+                if msg is not None:
+                    yield msg
+        except DuplexError as err:
+            await abort(context, err)
+        finally:
+            reader.cancel()
+            self._hub.discard(channel)
+
+    async def _read(
+        self,
+        owner: str,
+        first: worker_pb2.WorkerCommand,
+        commands: AsyncIterator[worker_pb2.WorkerCommand],
+        channel: OwnerChannel,
+    ) -> None:
+        try:
+            self.handle_command(owner, first)
+            async for cmd in commands:
+                if channel.closed:
+                    return
+                if cmd.owner and cmd.owner != owner:
+                    raise BadRequestError(ErrorCode.INVALID_EVENT, "owner changed within a Run stream")
+                self.handle_command(owner, cmd)
+            channel.close()  # half-close: the stream ends once what is queued is sent
+        except asyncio.CancelledError:
+            raise
+        except DuplexError as err:
+            channel.close(err)
+        except Exception:
+            logger.exception("Run command handling failed")
+            channel.close(DuplexError(ErrorCode.INTERNAL, "internal error"))
+
+    def handle_command(self, owner: str, cmd: worker_pb2.WorkerCommand) -> None:
+        """Fence and validate one command, queue its work on the engine, answer rejections."""
+        model = self._serving_model()
+        engine_cmds: list[EngineCommand] = []
+        rejected: list[Update] = []
+        for ab in cmd.abort:
+            try:
+                admission = self._fences.check(ab.fence.session_id, ab.fence.epoch, owner)
+            except DuplexError as err:
+                rejected.append(Update(ab.request_id, _fence(ab.fence), error=(err.code, err.message)))
+                continue
+            if admission.bumped:
+                engine_cmds.append(AbortOlder(ab.fence.session_id, admission.epoch))
+        for sub in cmd.submit:
+            SUBMISSIONS.labels(kind=_KIND_LABELS.get(sub.kind, "unknown")).inc()
+            try:
+                work = self._to_work(model, owner, sub)
+                admission = self._fences.check(sub.fence.session_id, sub.fence.epoch, owner)
+                counter = self._counters.setdefault(sub.fence.session_id, QueueCounter())
+                if counter.depth + work.units > self._config.max_queued_frames:
+                    raise CapacityError(
+                        "capacity",
+                        f"the request's input queue is full ({self._config.max_queued_frames} frames)",
+                    )
+            except DuplexError as err:
+                rejected.append(Update(sub.request_id, _fence(sub.fence), error=(err.code, err.message)))
+                continue
+            if admission.bumped:
+                engine_cmds.append(AbortOlder(sub.fence.session_id, admission.epoch))
+            counter.submitted += work.units
+            engine_cmds.append(Enqueue(work, counter))
+        for rel in cmd.release:
+            sid = rel.fence.session_id
+            try:
+                self._fences.check(sid, rel.fence.epoch, owner)
+            except DuplexError:
+                continue  # a release that is not the session's current owner's is ignored (counted)
+            engine_cmds.append(ReleaseSession(sid))
+            self._fences.release(sid)
+            self._counters.pop(sid, None)
+        self._engine.submit(engine_cmds)
+        if rejected:
+            self._hub.send_updates(owner, rejected)
+
+    def _to_work(self, model: StepModel[Any], owner: str, sub: worker_pb2.Submission) -> Work:
+        if not sub.request_id or not sub.fence.session_id:
+            raise bad_submission("a submission needs request_id and fence.session_id")
+        if sub.kind not in _KIND_LABELS:
+            raise bad_submission(f"unknown submission kind {int(sub.kind)}")
+        options = None
+        if sub.HasField("params"):
+            options = model.parse_options(json_format.MessageToDict(sub.params))
+        work = Work(
+            kind=sub.kind, fence=_fence(sub.fence), owner=owner, request_id=sub.request_id, options=options
+        )
+        if sub.kind == APPEND:
+            fmt = model.audio_format
+            frame_bytes = model.frame_samples * fmt.frame_bytes
+            if not sub.pcm or len(sub.pcm) % frame_bytes:
+                raise bad_submission(
+                    f"APPEND pcm of {len(sub.pcm)} bytes is not a whole number of {frame_bytes}-byte frames"
+                )
+            samples = np.frombuffer(sub.pcm, dtype="<i2").astype(np.float32) * np.float32(1.0 / 32768.0)
+            work.frames = samples.reshape(-1, model.frame_samples)
+            work.seq = sub.seq
+        return work
+
+    def _to_proto(self, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:
+        """Convert one owner's step, stripping output of fences the session has moved past."""
+        is_current = self._fences.is_current
+        if item.step:
+            stale = {rid for rid, f in item.batch if not is_current(f.session_id, f.epoch, owner)}
+            if stale:
+                item = _strip(item, stale, lambda f: is_current(f.session_id, f.epoch, owner))
+                if not item.batch and not item.updates:
+                    return None
+        out = worker_pb2.StepOutput(step=item.step)
+        for rid, fence in item.batch:
+            out.batch.add(request_id=rid, fence=_fence_pb(fence))
+        if item.step:
+            mm = out.outputs
+            mm.output_type = item.output_type  # type: ignore[assignment]
+            mm.sparse_audio = item.sparse
+            mm.req_id.extend(item.audio_ids)
+            mm.audio.extend(item.audio)
+        for upd in item.updates:
+            ru = out.updates.add(request_id=upd.request_id, fence=_fence_pb(upd.fence))
+            if upd.error is not None:
+                REQUEST_ERRORS.labels(code=upd.error[0]).inc()
+                ru.error.code, ru.error.message = upd.error
+                continue
+            for kind, offset in upd.vad:
+                ru.vad.add(kind=kind, sample_offset=offset)  # type: ignore[arg-type]
+            ru.text = upd.text
+            ru.input_seq = upd.input_seq
+            ru.turn_ended = upd.turn_ended
+            ru.committed_samples = upd.committed_samples
+            ru.response_started = upd.response_started
+            ru.response_finished = upd.response_finished
+        return out
+
+
+def _strip(item: OwnerStep, stale: set[str], is_current: Any) -> OwnerStep:
+    FENCED.labels(reason="stale_output").inc(len(stale))
+    keep = [i for i, (rid, _) in enumerate(item.batch) if rid not in stale]
+    out = OwnerStep(step=item.step, output_type=item.output_type, sparse=item.sparse)
+    out.batch = [item.batch[i] for i in keep]
+    if item.sparse:
+        pairs = [(rid, p) for rid, p in zip(item.audio_ids, item.audio, strict=True) if rid not in stale]
+        out.audio_ids = [rid for rid, _ in pairs]
+        out.audio = [p for _, p in pairs]
+    elif item.audio:
+        out.audio = [item.audio[i] for i in keep]
+    out.updates = [u for u in item.updates if u.request_id not in stale and is_current(u.fence)]
+    return out
