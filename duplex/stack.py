@@ -1,0 +1,403 @@
+"""``duplex up``: the whole local stack -- one session service and N workers -- in one command.
+
+``LocalStack`` is the reusable part (``duplex demo`` and the tests use it): it starts the
+children on free loopback ports (port 0; each announces its address in one JSON line on
+stdout), waits until the session service's gRPC health says SERVING, and stops them all
+by pid. Children run in their own process groups (a terminal's Ctrl-C reaches only us, so
+we can stop them in order) and, on Linux, get SIGTERM from the kernel if we die, even by
+SIGKILL (PR_SET_PDEATHSIG), so no orphan outlives the stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import IO, Any, Self
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_PLUGIN = "session_service.plugins.parrot:ParrotPlugin"
+DEFAULT_SESSION_PORT = 50051
+_PR_SET_PDEATHSIG = 1
+
+
+class StackError(RuntimeError):
+    """The stack could not start, or a child died."""
+
+
+def _load_prctl() -> Any:
+    # Resolved in the parent: the child between fork and exec should do as little as possible.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn: ask the kernel for SIGTERM when the parent goes, then close the race."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+@dataclass
+class Child:
+    """One child process of the stack with what it announced."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    grpc: str = ""
+    metrics: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.metrics}/metrics" if self.metrics else ""
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "pid": self.pid, "grpc": self.grpc, "metrics": self.metrics_url}
+
+
+@dataclass
+class LocalStack:
+    """A session service and ``workers`` parrot workers on loopback, as child processes.
+
+    Use as a context manager (``with LocalStack() as stack: stack.target``) or call
+    ``start()`` / ``stop()``. ``log`` receives the children's stderr (default: ours).
+    """
+
+    workers: int = 1
+    host: str = "127.0.0.1"
+    session_port: int = 0
+    model: str = "parrot"
+    plugin: str = DEFAULT_PLUGIN
+    device: str = "cpu"
+    worker_args: list[str] = field(default_factory=list)
+    session_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 90.0
+    log: IO[str] | int | None = None
+    session: Child | None = field(default=None, init=False)
+    worker_children: list[Child] = field(default_factory=list, init=False)
+
+    @property
+    def children(self) -> list[Child]:
+        """Every child, workers first."""
+        return [*self.worker_children, *([self.session] if self.session else [])]
+
+    @property
+    def target(self) -> str:
+        """``HOST:PORT`` of the session service (what clients connect to)."""
+        if self.session is None:
+            raise StackError("the stack is not running")
+        return self.session.grpc
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "duplex", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+        )
+        child = Child(name, proc)
+        if name == "session":
+            self.session = child
+        else:
+            self.worker_children.append(child)
+        return child
+
+    def _await_listening(self, children: list[Child], deadline: float) -> None:
+        """Read each child's one JSON "listening" line; later stdout is passed on to stderr."""
+        waiting = {c.proc.stdout: c for c in children if c.proc.stdout is not None}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(c.name for c in waiting.values())
+                raise StackError(f"{names} did not start within {self.startup_timeout_s:g}s")
+            ready, _, _ = select.select(list(waiting), [], [], min(left, 0.25))
+            for stream in ready:
+                child = waiting[stream]
+                line = stream.readline()
+                if not line:
+                    code = child.proc.wait(5)
+                    raise StackError(f"{child.name} (pid {child.pid}) exited with code {code} while starting")
+                try:
+                    msg = json.loads(line)
+                except json.JSONDecodeError:
+                    sys.stderr.write(line)
+                    continue
+                if isinstance(msg, dict) and msg.get("event") == "listening":
+                    child.grpc, child.metrics = str(msg["grpc"]), str(msg.get("metrics", ""))
+                    del waiting[stream]
+                    _drain(stream)
+            for child in waiting.values():
+                if child.proc.poll() is not None:
+                    raise StackError(
+                        f"{child.name} (pid {child.pid}) exited with code {child.proc.returncode}"
+                    )
+
+    def start(self) -> Self:
+        """Start the workers, then the session service pointed at them; wait until SERVING."""
+        if self.children:
+            raise StackError("already started")
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            for i in range(self.workers):
+                self._spawn(
+                    f"worker-{i}",
+                    [
+                        "worker",
+                        "--model",
+                        self.model,
+                        "--listen",
+                        f"{self.host}:0",
+                        "--metrics-port",
+                        "0",
+                        "--device",
+                        self.device,
+                        "--worker-id",
+                        f"local-{i}",
+                        *self.worker_args,
+                    ],
+                )
+            self._await_listening(self.worker_children, deadline)
+            session = self._spawn(
+                "session",
+                [
+                    "session",
+                    "--plugin",
+                    self.plugin,
+                    "--workers",
+                    ",".join(w.grpc for w in self.worker_children),
+                    "--listen",
+                    f"{self.host}:{self.session_port}",
+                    "--metrics-port",
+                    "0",
+                    *self.session_args,
+                ],
+            )
+            self._await_listening([session], deadline)
+            self.wait_serving(deadline - time.monotonic())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Poll ``grpc.health.v1.Health/Check`` on the session service until SERVING."""
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        last = "no answer"
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                dead = self.dead_child()
+                if dead is not None:
+                    raise StackError(f"{dead.name} (pid {dead.pid}) exited with code {dead.proc.returncode}")
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                    last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+                except grpc.RpcError as exc:
+                    last = f"{exc.code().name}: {exc.details()}"
+                time.sleep(0.1)
+        raise StackError(f"session service at {self.target} not SERVING ({last})")
+
+    def dead_child(self) -> Child | None:
+        """The first child that has exited, if any."""
+        for child in self.children:
+            if child.proc.poll() is not None:
+                return child
+        return None
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the session service (it drains its clients), then the workers; SIGKILL stragglers."""
+        order = [*([self.session] if self.session else []), *self.worker_children]
+        for group in ([c for c in order if c.name == "session"], [c for c in order if c.name != "session"]):
+            for child in group:
+                if child.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for child in group:
+                try:
+                    child.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.proc.kill()
+                    child.proc.wait(5)
+        for child in order:
+            if child.proc.stdout is not None:
+                with contextlib.suppress(OSError):
+                    child.proc.stdout.close()
+        self.session = None
+        self.worker_children = []
+
+    def describe(self) -> dict[str, object]:
+        """Addresses and pids, as printed by ``duplex up --json``."""
+        assert self.session is not None
+        return {
+            "event": "up",
+            "target": self.target,
+            "pid": os.getpid(),
+            "session": self.session.describe(),
+            "workers": [w.describe() for w in self.worker_children],
+        }
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _drain(stream: IO[str]) -> None:
+    """Keep reading a child's stdout after its announcement so the pipe never fills."""
+
+    def run() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in stream:
+                sys.stderr.write(line)
+
+    threading.Thread(target=run, name="stack-stdout", daemon=True).start()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="duplex up",
+        description=(
+            "Start the local stack: one session service and N parrot workers on loopback (CPU). "
+            "Ctrl-C or SIGTERM stops everything."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "exit codes: 0 stopped on request, 1 a child process died (the rest are stopped), "
+            "2 bad arguments, 3 the stack did not start\n\n"
+            "then, in another terminal:\n  duplex talk examples/hello.wav -o reply.wav"
+        ),
+    )
+    p.add_argument("--workers", type=int, default=1, help="number of workers (default: %(default)s)")
+    p.add_argument(
+        "--session-port",
+        type=int,
+        default=DEFAULT_SESSION_PORT,
+        metavar="P",
+        help="session service port, 0 = any free one (default: %(default)s)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--model", default="parrot", help="worker model (default: %(default)s)")
+    p.add_argument("--plugin", default=DEFAULT_PLUGIN, help="session plugin (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="worker device (default: %(default)s)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON line {"event": "up", ...} with addresses and pids on stdout '
+        "(the text goes to stderr)",
+    )
+    return p
+
+
+class _Interrupted(Exception):
+    """SIGINT/SIGTERM while the stack is still starting."""
+
+
+class _Stop:
+    """Signal handler state: while starting, a signal aborts the start (which cleans up);
+    once up, it asks the main loop for a clean stop."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.starting = True
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+        if self.starting:
+            raise _Interrupted(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        print("duplex up: --workers must be at least 1", file=sys.stderr)
+        return 2
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    text = sys.stderr if args.json else sys.stdout
+    stack = LocalStack(workers=args.workers, host=args.host, session_port=args.session_port)
+    stack.model, stack.plugin, stack.device = args.model, args.plugin, args.device
+    print(f"starting {args.workers} {args.model} worker(s) and a session service...", file=sys.stderr)
+    try:
+        stack.start()
+    except StackError as exc:
+        print(f"duplex up: {exc}", file=sys.stderr)
+        return 3
+    except _Interrupted as exc:
+        print(f"duplex up: interrupted by {exc} while starting; stopped", file=sys.stderr)
+        return 0
+    stop.starting = False
+    try:
+        if args.json:
+            print(json.dumps(stack.describe()), flush=True)
+        assert stack.session is not None
+        print(f"duplex stack is up: session service at {stack.target}", file=text)
+        for child in stack.children:
+            print(
+                f"  {child.name:<9} pid {child.pid:<7} grpc {child.grpc:<21} {child.metrics_url}", file=text
+            )
+        print(f"try:  duplex talk examples/hello.wav -o reply.wav --target {stack.target}", file=text)
+        print("Ctrl-C stops the stack.", file=text, flush=True)
+        while not stop.signum:
+            dead = stack.dead_child()
+            if dead is not None:
+                print(
+                    f"duplex up: {dead.name} (pid {dead.pid}) exited unexpectedly with code "
+                    f"{dead.proc.returncode}; stopping the stack",
+                    file=sys.stderr,
+                )
+                return 1
+            time.sleep(0.2)
+        print(f"\nstopping ({signal.Signals(stop.signum).name})...", file=sys.stderr)
+        return 0
+    finally:
+        stack.stop()
+        print("stack stopped", file=sys.stderr)
+
+
+def example_path(name: str) -> Path:
+    """A file under the repository's ``examples/`` (the demo recording)."""
+    return Path(__file__).resolve().parent.parent / "examples" / name
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,475 @@
+"""``duplex talk IN.wav -o REPLY.wav``: talk a recording through a session, save the reply.
+
+The file is converted to the session's input format, streamed at the speed of speech (or
+as fast as the server accepts it with ``--fast``) followed by a second of silence so the
+server's turn detection ends the turn, and every step of the conversation is printed as a
+timeline with latencies. ``talk()`` is the reusable part (``duplex demo`` calls it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+import numpy as np
+
+from duplex.audio import (
+    PCM16K_MONO,
+    AudioFileError,
+    PcmFormat,
+    decode,
+    encode,
+    read_wav,
+    resample,
+    to_mono,
+    write_wav,
+)
+from duplex.client import DuplexClient, Session, event_kind
+from duplex.errors import DuplexError
+from duplex.v1 import session_pb2
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the conversation went wrong: server error, failed response, timeout, no reply
+EXIT_USAGE = 2  # bad arguments or an unreadable input file
+EXIT_UNREACHABLE = 3  # nothing answers at the target (or it is unavailable)
+
+_STATUS = {
+    session_pb2.RESPONSE_STATUS_COMPLETED: "completed",
+    session_pb2.RESPONSE_STATUS_CANCELLED: "cancelled",
+    session_pb2.RESPONSE_STATUS_FAILED: "failed",
+}
+
+
+class TalkError(Exception):
+    """The conversation did not produce a reply; carries the exit code for the CLI."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class InputAudio:
+    """A WAV file already converted to 16 kHz mono s16le (the session's input format)."""
+
+    path: Path
+    pcm: bytes
+    source_rate: int
+    source_channels: int
+
+    @property
+    def duration_ms(self) -> float:
+        return PCM16K_MONO.duration_ms(len(self.pcm))
+
+    @classmethod
+    def load(cls, path: str | Path, fmt: PcmFormat = PCM16K_MONO) -> InputAudio:
+        """Read and convert; raises ``AudioFileError`` with a one-line reason."""
+        p = Path(path)
+        if not p.is_file():
+            raise AudioFileError(f"{p}: no such file")
+        try:
+            samples, rate = read_wav(p)
+        except OSError as exc:
+            raise AudioFileError(f"{p}: {exc.strerror or exc}") from exc
+        pcm = encode(resample(to_mono(samples), rate, fmt.sample_rate_hz), fmt)
+        return cls(p, pcm, rate, samples.shape[1])
+
+
+@dataclass
+class Timeline:
+    """Prints one line per conversation event, in ms since ``t0``, and keeps the marks."""
+
+    out: TextIO
+    t0: float = field(default_factory=time.monotonic)
+    marks: dict[str, float] = field(default_factory=dict)
+    clear_line: bool = False  # a progress line may be on the terminal: erase it first
+
+    def now(self) -> float:
+        return (time.monotonic() - self.t0) * 1000.0
+
+    def add(self, label: str, detail: str = "", *, key: str | None = None, at: float | None = None) -> float:
+        ms = self.now() if at is None else at
+        if key is not None:
+            self.marks.setdefault(key, ms)
+        prefix = "\r\033[K" if self.clear_line else ""
+        self.out.write(f"{prefix}{ms:8.0f} ms  {label:<18} {detail}".rstrip() + "\n")
+        self.out.flush()
+        return ms
+
+
+class Progress:
+    """A one-line, self-overwriting "sending" indicator on stderr (only on a terminal)."""
+
+    def __init__(self, err: TextIO, total_ms: float) -> None:
+        self.err = err
+        self.total_ms = total_ms
+        self.tty = err.isatty()
+        self._last = 0.0
+        self.sent: list[tuple[float, float]] = []  # (input ms sent, monotonic time)
+
+    def __call__(self, sent_ms: float) -> None:
+        self.sent.append((sent_ms, time.monotonic()))
+        now = time.monotonic()
+        if self.tty and (now - self._last > 0.1 or sent_ms >= self.total_ms):
+            self._last = now
+            self.err.write(f"\r\033[K  sending {sent_ms / 1000:5.1f} / {self.total_ms / 1000:.1f} s")
+            self.err.flush()
+
+    def sent_at(self, input_ms: float) -> float | None:
+        """When input position ``input_ms`` had been sent (monotonic), if it was."""
+        i = bisect.bisect_left(self.sent, (input_ms, 0.0))
+        return self.sent[i][1] if i < len(self.sent) else None
+
+    def done(self) -> None:
+        if self.tty:
+            self.err.write("\r\033[K")
+            self.err.flush()
+
+
+@dataclass
+class TalkResult:
+    """What one ``talk`` produced."""
+
+    reply: bytes
+    reply_format: PcmFormat
+    status: str  # "completed", "cancelled", "failed" or "" when no response came
+    reason: str
+    marks: dict[str, float]
+    latencies: dict[str, float]
+    errors: list[str]
+    session_id: str
+    played_ms: float | None = None  # where playback stopped when the talk barged in
+
+    @property
+    def ok(self) -> bool:
+        """A reply came (possibly cut short by our own barge-in) and did not fail."""
+        return (bool(self.reply) or self.played_ms is not None) and self.status != "failed"
+
+    @property
+    def reply_ms(self) -> float:
+        return self.reply_format.duration_ms(len(self.reply))
+
+
+async def talk(
+    client: DuplexClient,
+    audio: InputAudio,
+    *,
+    realtime: bool = True,
+    barge_in_after_ms: float | None = None,
+    trailing_silence_ms: int = 1000,
+    model: str = "",
+    timeout_s: float = 60.0,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> TalkResult:
+    """Open a session, stream ``audio``, print the timeline, return the first reply.
+
+    The timeline goes to ``out`` (default stdout), progress to ``err`` (default stderr).
+    ``timeout_s`` counts from the end of the input in real-time mode.
+    Raises ``DuplexError`` for call failures and ``TalkError`` when no reply comes in time.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    tl = Timeline(out)
+    session = await client.open_session(model=model, input_format=PCM16K_MONO)
+    out.write(f"{'t':>11}  {'event':<18} detail\n")
+    try:
+        fmt = session.output_format
+        tl.add(
+            "session opened",
+            f"{session.session_id}  model={session.capabilities.model or '?'}  "
+            f"in={session.input_format} out={fmt}",
+            key="opened",
+        )
+        pcm = audio.pcm + encode(np.zeros(16 * trailing_silence_ms, np.float32), PCM16K_MONO)
+        progress = Progress(err, PCM16K_MONO.duration_ms(len(pcm)))
+        tl.clear_line = progress.tty and out.isatty()
+        send_start = time.monotonic()
+
+        async def send() -> None:
+            sent = await session.stream_audio([pcm], fmt=PCM16K_MONO, realtime=realtime, progress=progress)
+            progress.done()
+            rate = sent / max(1.0, (time.monotonic() - send_start) * 1000)
+            tl.add("input sent", f"{sent / 1000:.2f} s of audio ({rate:.1f}x real time)", key="input_sent")
+
+        sender = asyncio.create_task(send())
+        # The clock starts when the input has been said, however long it is.
+        limit_s = timeout_s + (progress.total_ms / 1000.0 if realtime else 0.0)
+        try:
+            result = await asyncio.wait_for(
+                _follow(session, tl, progress, fmt, barge_in_after_ms, sender), limit_s
+            )
+        except TimeoutError:
+            raise TalkError(f"no complete reply within {limit_s:g} s") from None
+        finally:
+            if not sender.done():
+                # The reply can finish before the trailing silence is all sent; that is fine.
+                await asyncio.wait({sender}, timeout=2.0)
+                sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, DuplexError):
+                await sender
+            progress.done()
+    finally:
+        await session.close()
+    return result
+
+
+async def _follow(
+    session: Session,
+    tl: Timeline,
+    progress: Progress,
+    fmt: PcmFormat,
+    barge_in_after_ms: float | None,
+    sender: asyncio.Task[None],
+) -> TalkResult:
+    """Read events until the first response is over, printing each step.
+
+    The reply is "played" from its first audio at real time (the server may send it much
+    faster): a barge-in ``barge_in_after_ms`` later keeps only what was played by then, as a
+    client that stops its speaker and discards the rest would.
+    """
+    reply = bytearray()
+    response_id = ""
+    speech_stop_input_ms: float | None = None
+    barge: asyncio.Task[None] | None = None
+    played_ms: float | None = None  # set when the barge-in went out
+    errors: list[str] = []
+    status, reason = "", ""
+    first_opened = True
+
+    async def barge_in_later(delay_ms: float) -> None:
+        nonlocal played_ms
+        await asyncio.sleep(delay_ms / 1000.0)
+        played_ms = min(delay_ms, fmt.duration_ms(len(reply)))
+        if response_id:
+            await session.playback_ack(int(played_ms), response_id)
+        await session.barge_in()
+        tl.add("barge-in sent", f"after {played_ms:.0f} ms of playback", key="barge_in")
+
+    try:
+        async for ev in session.events():
+            kind = event_kind(ev)
+            if kind == "speech_started":
+                tl.add("speech started", f"at {ev.speech_started.audio_ms} ms of input", key="speech_started")
+            elif kind == "speech_stopped":
+                speech_stop_input_ms = float(ev.speech_stopped.audio_ms)
+                tl.add("speech stopped", f"at {ev.speech_stopped.audio_ms} ms of input", key="speech_stopped")
+            elif kind == "committed":
+                c = ev.committed
+                tl.add("committed", f"turn {c.turn_id}, {c.audio_ms} ms of audio", key="committed")
+            elif kind == "response_started":
+                r = ev.response_started
+                response_id = response_id or r.response_id
+                tl.add(
+                    "response started", f"{r.response_id} (turn {r.turn_id}, epoch {r.epoch})", key="started"
+                )
+            elif kind == "audio_delta":
+                d = ev.audio_delta
+                if d.response_id != response_id:
+                    continue  # only the first response is the reply
+                if not reply:
+                    tl.add("first audio", f"{fmt.duration_ms(len(d.pcm)):.0f} ms chunk", key="first_audio")
+                    if barge_in_after_ms is not None:
+                        barge = asyncio.create_task(barge_in_later(barge_in_after_ms))
+                reply += d.pcm
+            elif kind in ("text_delta", "transcript_delta"):
+                text = ev.text_delta.text if kind == "text_delta" else ev.transcript_delta.text
+                tl.add(kind.replace("_", " "), repr(text))
+            elif kind == "audio_cancelled":
+                a = ev.audio_cancelled
+                what = a.response_id or "no active response"
+                tl.add("audio cancelled", f"{a.reason}: {what}, epoch {a.cancelled_epoch} -> {a.epoch}")
+                if status:  # the response had ended before the barge-in reached the server
+                    tl.add("", "(the server had sent the whole reply already; playback stopped locally)")
+                    break
+            elif kind == "response_done":
+                done = ev.response_done
+                if done.response_id != response_id:
+                    continue
+                status = _STATUS.get(done.status, str(done.status))
+                reason = done.reason
+                detail = f"{status}{' (' + reason + ')' if reason else ''}, {done.audio_ms} ms of audio sent"
+                tl.add("response done", detail, key="done")
+                if barge is None or (barge.done() and done.status != session_pb2.RESPONSE_STATUS_COMPLETED):
+                    break
+                # A barge-in is still to come: wait for its audio_cancelled.
+            elif kind == "error":
+                e = ev.error
+                errors.append(f"{e.code}: {e.message}")
+                tl.add("error", f"{e.code}: {e.message}")
+            elif kind == "go_away":
+                tl.add("go away", f"{ev.go_away.reason}; will resume")
+            elif kind == "opened":
+                if not first_opened:
+                    tl.add("resumed", f"{ev.opened.session_id} epoch {ev.opened.epoch}")
+                first_opened = False
+            elif kind == "closed":
+                tl.add("closed", ev.closed.reason)
+                break
+    finally:
+        if barge is not None and not barge.done():
+            barge.cancel()
+    if played_ms is not None:
+        del reply[fmt.bytes_for_ms(played_ms) :]
+    marks = tl.marks
+    latencies: dict[str, float] = {}
+    if "first_audio" in marks:
+        first = marks["first_audio"]
+        if speech_stop_input_ms is not None:
+            sent_at = progress.sent_at(speech_stop_input_ms)
+            if sent_at is not None:
+                latencies["end of speech -> first audio"] = first - (sent_at - tl.t0) * 1000.0
+        for key, label in (("speech_stopped", "speech stopped"), ("committed", "committed")):
+            if key in marks:
+                latencies[f"{label} event -> first audio"] = first - marks[key]
+    if "opened" in marks:
+        latencies["session open"] = marks["opened"]
+    failed = sender.exception() if sender.done() and not sender.cancelled() else None
+    if failed is not None:
+        raise failed
+    return TalkResult(
+        bytes(reply), fmt, status, reason, dict(marks), latencies, errors, session.session_id, played_ms
+    )
+
+
+def print_summary(result: TalkResult, out_path: Path | None, out: TextIO) -> None:
+    """Latencies and where the reply went."""
+    for label, ms in result.latencies.items():
+        out.write(f"  {label:<34} {ms:7.0f} ms\n")
+    if out_path is not None:
+        out.write(
+            f"reply: {out_path} ({result.reply_ms / 1000:.2f} s, {result.reply_format.sample_rate_hz} Hz, "
+            f"{result.status or 'no response'})\n"
+        )
+    out.flush()
+
+
+def write_reply(result: TalkResult, path: Path) -> None:
+    """Save the reply as 16-bit WAV at the session's output rate."""
+    samples = decode(result.reply, result.reply_format)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_wav(path, samples, result.reply_format.sample_rate_hz)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="duplex talk",
+        description="Talk a WAV file through a duplex session and save the spoken reply.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "exit codes:\n"
+            "  0  the reply was written\n"
+            "  1  the conversation failed (server error, failed response, timeout, no reply)\n"
+            "  2  bad arguments or an unreadable/malformed input file\n"
+            "  3  cannot reach the session service at --target\n\n"
+            "example:\n"
+            "  duplex up &     # the local stack, on 127.0.0.1:50051\n"
+            "  duplex talk examples/hello.wav -o reply.wav"
+        ),
+    )
+    p.add_argument("input", type=Path, help="WAV file (any rate, 8-32 bit, mono or stereo)")
+    p.add_argument("-o", "--out", type=Path, help="reply WAV (default: INPUT with .reply.wav)")
+    p.add_argument(
+        "--target",
+        default=os.environ.get("DUPLEX_TARGET", DEFAULT_TARGET),
+        help="session service HOST:PORT (default: $DUPLEX_TARGET or %(default)s)",
+    )
+    p.add_argument("--fast", action="store_true", help="send as fast as the server accepts, not in real time")
+    p.add_argument(
+        "--barge-in-after",
+        type=float,
+        metavar="MS",
+        help="barge in MS milliseconds into playing the reply (played from its first audio at real "
+        "time); the saved reply keeps only what was played",
+    )
+    p.add_argument(
+        "--trailing-silence",
+        type=int,
+        default=1000,
+        metavar="MS",
+        help="silence appended so turn detection ends the turn (default: %(default)s)",
+    )
+    p.add_argument("--model", default="", help="expected model id (default: whatever the service runs)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds")
+    p.add_argument(
+        "--connect-timeout", type=float, default=5.0, metavar="S", help="connecting gives up after S seconds"
+    )
+    p.add_argument("--token", default=os.environ.get("DUPLEX_TOKEN"), help="bearer token ($DUPLEX_TOKEN)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (system roots, or --ca)")
+    p.add_argument("--ca", type=Path, help="PEM file with the CA for --tls")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        audio = InputAudio.load(args.input)
+    except AudioFileError as exc:
+        print(f"duplex talk: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    out_path: Path = args.out or args.input.with_suffix(".reply.wav")
+    credentials = None
+    if args.tls:
+        credentials = grpc.ssl_channel_credentials(args.ca.read_bytes() if args.ca else None)
+    print(
+        f"{audio.path}: {audio.source_rate} Hz, {audio.source_channels} ch, {audio.duration_ms / 1000:.2f} s "
+        f"-> {args.target}",
+        file=sys.stderr,
+    )
+    try:
+        return asyncio.run(_run(args, audio, out_path, credentials))
+    except KeyboardInterrupt:
+        print("\nduplex talk: interrupted", file=sys.stderr)
+        return 130
+
+
+async def _run(args: argparse.Namespace, audio: InputAudio, out_path: Path, credentials: object) -> int:
+    try:
+        client = DuplexClient(
+            args.target, credentials=credentials, token=args.token, connect_timeout_s=args.connect_timeout
+        )
+        async with client:
+            result = await talk(
+                client,
+                audio,
+                realtime=not args.fast,
+                barge_in_after_ms=args.barge_in_after,
+                trailing_silence_ms=args.trailing_silence,
+                model=args.model,
+                timeout_s=args.timeout,
+            )
+    except DuplexError as exc:
+        if exc.status == grpc.StatusCode.UNAVAILABLE:
+            print(f"duplex talk: cannot reach {args.target}: {exc.message} [{exc.code}]", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        print(f"duplex talk: {exc.message} [{exc.code}]", file=sys.stderr)
+        return EXIT_FAILED
+    except TalkError as exc:
+        print(f"duplex talk: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if not result.reply and result.played_ms is None:
+        print_summary(result, None, sys.stdout)
+        why = "; ".join(result.errors) or result.reason or result.status or "no response"
+        print(f"duplex talk: no reply audio ({why})", file=sys.stderr)
+        return EXIT_FAILED
+    write_reply(result, out_path)
+    print_summary(result, out_path, sys.stdout)
+    if result.status == "failed":
+        print(f"duplex talk: the response failed: {result.reason}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
