@@ -210,6 +210,8 @@ def read_wav(path: str | Path) -> tuple[FloatArray, int]:
             raw = w.readframes(n)
     except (wave.Error, EOFError) as exc:
         raise AudioFileError(f"{path}: not a readable PCM WAV file ({exc})") from exc
+    except OSError as exc:
+        raise AudioFileError(f"{path}: cannot open ({exc.strerror or exc})") from exc
     if channels < 1 or rate <= 0:
         raise AudioFileError(f"{path}: invalid header (channels={channels}, rate={rate})")
     if not raw or len(raw) < width * channels:
