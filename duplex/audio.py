@@ -113,8 +113,14 @@ def encode(samples: npt.NDArray[np.floating], fmt: PcmFormat) -> bytes:
         x = np.repeat(x.mean(axis=1, keepdims=True), fmt.channels, axis=1)
     x = np.clip(x, -1.0, 1.0)
     if fmt.encoding == S16LE:
-        return np.round(x * 32767.0).astype("<i2").tobytes()
+        return _to_int16(x).tobytes()
     return x.astype("<f4").tobytes()
+
+
+def _to_int16(x: npt.NDArray[np.float32]) -> npt.NDArray[np.int16]:
+    # The inverse of decode's /32768, so a round trip is exact to one quantisation step.
+    scaled = np.clip(np.round(x * 32768.0), -32768, 32767)
+    return scaled.astype("<i2")
 
 
 def to_mono(samples: FloatArray) -> FloatArray:
@@ -147,6 +153,8 @@ class StreamingResampler:
         if self.src_rate == self.dst_rate:
             return np.asarray(x, dtype=np.float32)
         x = np.asarray(x, dtype=np.float32)
+        if len(x) == 0:
+            return np.zeros(0, dtype=np.float32)
         if self._box > 1:
             padded = np.concatenate([self._box_tail, x])
             kernel = np.full(self._box, 1.0 / self._box, dtype=np.float32)
@@ -242,7 +250,7 @@ def write_wav(path: str | Path, samples: npt.NDArray[np.floating], sample_rate_h
         w.setnchannels(x.shape[1])
         w.setsampwidth(2)
         w.setframerate(sample_rate_hz)
-        w.writeframes(np.round(np.clip(x, -1, 1) * 32767.0).astype("<i2").tobytes())
+        w.writeframes(_to_int16(x).tobytes())
 
 
 __all__ = [

@@ -1,0 +1,83 @@
+"""duplex.errors: the one mapping from typed errors to gRPC statuses, and back on the client."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from duplex import errors
+from duplex.errors import (
+    BadRequestError,
+    CapacityError,
+    DuplexError,
+    ErrorCode,
+    FencedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from duplex.serving import SERVER_OPTIONS
+from duplex.v1 import worker_pb2, worker_pb2_grpc
+
+
+class _Failing(worker_pb2_grpc.DuplexWorkerServicer):
+    def __init__(self, err: DuplexError) -> None:
+        self.err = err
+
+    async def Describe(
+        self, request: object, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerDescription:
+        await errors.abort(context, self.err)
+
+
+@pytest.mark.parametrize(
+    ("err", "status"),
+    [
+        (BadRequestError(ErrorCode.MODEL_MISMATCH, "wrong model"), grpc.StatusCode.INVALID_ARGUMENT),
+        (UnauthenticatedError(ErrorCode.INVALID_RESUME_TOKEN, "bad token"), grpc.StatusCode.UNAUTHENTICATED),
+        (CapacityError(ErrorCode.CAPACITY_EXHAUSTED, "full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (FencedError(ErrorCode.STALE_EPOCH, "epoch 3 < 4"), grpc.StatusCode.FAILED_PRECONDITION),
+        (UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "no worker"), grpc.StatusCode.UNAVAILABLE),
+    ],
+)
+async def test_abort_carries_status_and_stable_code_to_the_client(
+    err: DuplexError, status: grpc.StatusCode
+) -> None:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    worker_pb2_grpc.add_DuplexWorkerServicer_to_server(_Failing(err), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await worker_pb2_grpc.DuplexWorkerStub(channel).Describe(worker_pb2.DescribeRequest())
+    finally:
+        await server.stop(0)
+    assert caught.value.code() == status
+    rebuilt = errors.from_rpc_error(caught.value)
+    assert type(rebuilt) is type(err)
+    assert rebuilt.code == err.code
+    assert rebuilt.message == err.message
+    assert rebuilt.retryable == err.retryable
+
+
+def test_plain_rpc_error_without_details_gets_a_default_code() -> None:
+    class _Bare(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "connection refused"
+
+        def trailing_metadata(self) -> tuple[()]:
+            return ()
+
+    rebuilt = errors.from_rpc_error(_Bare())
+    assert isinstance(rebuilt, UnavailableError)
+    assert rebuilt.code == ErrorCode.WORKER_UNAVAILABLE
+    assert rebuilt.retryable
+
+
+def test_error_codes_are_unique_snake_case() -> None:
+    values = [c.value for c in ErrorCode]
+    assert len(values) == len(set(values))
+    assert all(v == v.lower() and " " not in v for v in values)
