@@ -1,0 +1,75 @@
+"""``duplex session``: parse the command line, load the plugin, run the service."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+import uuid
+
+from duplex.errors import DuplexError
+from duplex.serving import split_host_port
+from session_service.config import RunnerConfig, ServiceConfig
+from session_service.plugin import load_plugin
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="duplex session", description="Run a session service replica.")
+    p.add_argument("--plugin", default="session_service.plugins.parrot:ParrotPlugin", help="module:Class")
+    p.add_argument("--workers", required=True, help="worker addresses HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC HOST:PORT (port 0 = any)")
+    p.add_argument("--metrics-port", type=int, default=9464, help="/metrics port (0 = any)")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--max-sessions", type=int, default=256)
+    p.add_argument("--idle-timeout-s", type=float, default=300.0)
+    p.add_argument("--resume-secret", default="", help="HMAC key for resume tokens (default: random)")
+    p.add_argument("--replica-id", default="", help="owner id towards workers (default: random)")
+    p.add_argument("--drain-grace-s", type=float, default=10.0)
+    p.add_argument(
+        "--no-silence-continuation", action="store_true", help="do not feed silence during replies"
+    )
+    return p
+
+
+def config_from_args(argv: list[str]) -> ServiceConfig:
+    args = _parser().parse_args(argv)
+    workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    if not workers:
+        raise SystemExit("duplex session: --workers needs at least one HOST:PORT")
+    try:
+        for w in (*workers, args.listen):
+            split_host_port(w)
+    except ValueError as exc:
+        raise SystemExit(f"duplex session: {exc}") from exc
+    if args.max_sessions < 1 or args.idle_timeout_s <= 0:
+        raise SystemExit("duplex session: --max-sessions and --idle-timeout-s must be positive")
+    return ServiceConfig(
+        plugin=args.plugin,
+        workers=workers,
+        listen=args.listen,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        max_sessions=args.max_sessions,
+        resume_secret=args.resume_secret.encode() if args.resume_secret else secrets.token_bytes(32),
+        replica_id=args.replica_id or f"session-{uuid.uuid4().hex[:12]}",
+        drain_grace_s=args.drain_grace_s,
+        runner=RunnerConfig(
+            idle_timeout_s=args.idle_timeout_s, silence_continuation=not args.no_silence_continuation
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_from_args(sys.argv[1:] if argv is None else argv)
+    try:
+        plugin = load_plugin(cfg.plugin)
+    except DuplexError as err:
+        print(f"duplex session: {err.message}", file=sys.stderr)
+        return 2
+    from session_service.server import run  # grpc only once the arguments are good
+
+    return run(cfg, plugin)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Configuration of the session service, as frozen dataclasses built once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """What one session runner needs to know about its limits."""
+
+    idle_timeout_s: float = 300.0
+    """Close a session after this many seconds without client events and without an active response."""
+    mailbox_size: int = 256
+    """Client events queued per session before the reader waits (backpressure to the client)."""
+    outbound_limit: int = 8192
+    """Server events queued per session; a client that falls further behind is disconnected."""
+    submit_timeout_s: float = 5.0
+    """How long an append waits for its submission to be written to the worker stream."""
+    max_silence_frames: int = 940
+    """Silence frames fed per response at most (about 30 s of 32 ms frames)."""
+    silence_continuation: bool = True
+    """Feed real-time silence while a response plays and the client sends no audio, so worker
+    turn detection (barge-in) keeps running."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """The whole process: where it listens, which workers it drives, which plugin it loads."""
+
+    plugin: str
+    """Dotted path of the model plugin, ``module:Class`` or ``module.Class``."""
+    workers: tuple[str, ...]
+    """Worker addresses (``HOST:PORT``), the same list on every replica so placement agrees."""
+    listen: str = "127.0.0.1:50051"
+    """gRPC listen address; port 0 picks a free port."""
+    metrics_host: str = "127.0.0.1"
+    """Host of the Prometheus ``/metrics`` endpoint."""
+    metrics_port: int = 9464
+    """Port of the ``/metrics`` endpoint; 0 picks a free port."""
+    max_sessions: int = 256
+    """Most concurrent sessions this replica accepts (RESOURCE_EXHAUSTED beyond)."""
+    resume_secret: bytes = b""
+    """HMAC key of resume tokens; replicas that share it can resume each other's sessions."""
+    replica_id: str = ""
+    """This replica's owner id towards the workers (unique per process)."""
+    drain_grace_s: float = 10.0
+    """On SIGTERM, how long in-flight responses may run before sessions are closed."""
+    open_timeout_s: float = 30.0
+    """How long a new stream may take to send its open (or resume)."""
+    attach_timeout_s: float = 5.0
+    """Deadline of a worker Attach call."""
+    worker_backoff_max_s: float = 5.0
+    """Longest wait between reconnect attempts to a lost worker."""
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    """Per-session limits."""

@@ -1,0 +1,101 @@
+"""The single per-session queue of server events: FIFO, purgeable by epoch, re-attachable.
+
+Every event for a client passes through ONE queue, so nothing can overtake ``audio_cancelled``.
+When the epoch advances the queue drops audio of older epochs still waiting in it, and the
+consumer checks the epoch once more as it takes an event out (belt and braces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from duplex.v1 import session_pb2
+from session_service.metrics import DROPPED_OUTPUTS, EVENTS
+
+
+@dataclass(slots=True)
+class _Item:
+    event: session_pb2.ServerEvent
+    epoch: int | None  # set for epoch-bound output (audio/text deltas); None = always delivered
+
+
+class OutboundOverflow(Exception):
+    """The client stopped reading: its queue passed the limit."""
+
+
+class Outbound:
+    """Server events of one session, consumed by whichever stream is attached now."""
+
+    def __init__(self, current_epoch: Callable[[], int], *, limit: int = 8192) -> None:
+        self._current_epoch = current_epoch
+        self._limit = limit
+        self._items: deque[_Item] = deque()
+        self._wake = asyncio.Event()
+        self._attachment = 0
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(self, event: session_pb2.ServerEvent, *, epoch: int | None = None) -> None:
+        """Queue an event; ``epoch`` marks output that must die with its epoch."""
+        if self._closed:
+            return
+        if len(self._items) >= self._limit:
+            raise OutboundOverflow(f"{len(self._items)} events unread")
+        self._items.append(_Item(event, epoch))
+        self._wake.set()
+
+    def put_front(self, event: session_pb2.ServerEvent) -> None:
+        """Queue an event ahead of everything else (``opened`` on a resumed stream)."""
+        if not self._closed:
+            self._items.appendleft(_Item(event, None))
+            self._wake.set()
+
+    def purge_before(self, epoch: int) -> int:
+        """Drop queued epoch-bound output older than ``epoch``; returns how many."""
+        keep = deque(i for i in self._items if i.epoch is None or i.epoch >= epoch)
+        dropped = len(self._items) - len(keep)
+        if dropped:
+            self._items = keep
+            DROPPED_OUTPUTS.labels(reason="purged").inc(dropped)
+        return dropped
+
+    @property
+    def current_attachment(self) -> int:
+        return self._attachment
+
+    def attach(self) -> int:
+        """A new stream takes over consumption; the previous consumer stops at its next get."""
+        self._attachment += 1
+        self._wake.set()
+        return self._attachment
+
+    def close(self) -> None:
+        """No more events; consumers drain what is queued, then get None."""
+        self._closed = True
+        self._wake.set()
+
+    async def get(self, attachment: int) -> session_pb2.ServerEvent | None:
+        """The next event for the stream holding ``attachment``; None when it should end."""
+        while True:
+            if attachment != self._attachment:
+                return None
+            while self._items:
+                item = self._items.popleft()
+                if item.epoch is not None and item.epoch < self._current_epoch():
+                    DROPPED_OUTPUTS.labels(reason="stale_epoch").inc()
+                    continue
+                EVENTS.labels(direction="out", type=item.event.WhichOneof("event") or "none").inc()
+                return item.event
+            if self._closed:
+                return None
+            self._wake.clear()
+            await self._wake.wait()

@@ -1,0 +1,1 @@
+"""Model plugins shipped with the session service."""

@@ -1,0 +1,77 @@
+"""Routing of worker step outputs to session runners (after the fail-closed sparse check).
+
+Every ``StepOutput`` first goes through ``route_step``: an invalid AUDIO declaration routes no
+payload of the step at all. Updates (VAD, commits, completions, errors) still reach their
+sessions, since each names its own request. Output for a request this replica does not hold,
+or from a worker the session is no longer placed on, is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from duplex.v1 import common_pb2, worker_pb2
+from session_service.metrics import DROPPED_OUTPUTS
+from session_service.runner import SessionRunner, WorkerHandle
+from session_service.sparse_router import route_step
+
+log = logging.getLogger(__name__)
+
+
+class SessionRegistry:
+    """The runners this replica holds, by session id (= worker request id)."""
+
+    def __init__(self) -> None:
+        self._runners: dict[str, SessionRunner] = {}
+
+    def __len__(self) -> int:
+        return len(self._runners)
+
+    def __iter__(self) -> Iterator[SessionRunner]:
+        return iter(list(self._runners.values()))
+
+    def get(self, session_id: str) -> SessionRunner | None:
+        return self._runners.get(session_id)
+
+    def add(self, runner: SessionRunner) -> None:
+        self._runners[runner.session_id] = runner
+
+    def remove(self, runner: SessionRunner) -> None:
+        if self._runners.get(runner.session_id) is runner:
+            del self._runners[runner.session_id]
+
+
+class Router:
+    """StepOutput -> runners, by request id, with fenced and unknown output dropped and counted."""
+
+    def __init__(self, registry: SessionRegistry) -> None:
+        self._registry = registry
+
+    def on_step(self, link: WorkerHandle, step: worker_pb2.StepOutput) -> None:
+        routed = route_step(step)
+        if routed.failed_closed is not None:
+            DROPPED_OUTPUTS.labels(reason="fail_closed").inc(len(step.outputs.audio))
+        fences: dict[str, common_pb2.Fence] = {e.request_id: e.fence for e in step.batch}
+        updates: dict[str, list[worker_pb2.RequestUpdate]] = {}
+        for u in step.updates:
+            updates.setdefault(u.request_id, []).append(u)
+        # Batch order first (audio order), then requests with only news.
+        targets = dict.fromkeys(rid for rid in routed.downstream_req_ids if rid in routed.payloads)
+        targets.update(dict.fromkeys(updates))
+        for rid in targets:
+            runner = self._registry.get(rid)
+            if runner is None:
+                DROPPED_OUTPUTS.labels(reason="unknown_request").inc()
+                continue
+            if runner.link is not link:
+                DROPPED_OUTPUTS.labels(reason="stale_worker").inc()
+                continue
+            try:
+                runner.on_output(fences.get(rid), routed.payloads.get(rid), updates.get(rid, ()))
+            except Exception:  # one session's failure must not starve the others
+                log.exception("routing to session %s failed", rid)
+
+    def on_link_lost(self, link: WorkerHandle) -> None:
+        for runner in self._registry:
+            runner.on_worker_lost(link)

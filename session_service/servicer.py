@@ -1,0 +1,120 @@
+"""``duplex.v1.DuplexSession`` over gRPC: a thin adapter between the stream and the runners.
+
+The first client event must be ``open`` or ``resume`` (anything else is answered with a
+``session_not_open`` error event). After that a reader task feeds the session's mailbox while
+this handler writes the session's one outbound queue to the stream. A dropped stream leaves the
+runner alive for a resume until its idle timeout; a half-closed stream closes the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+
+from duplex.errors import BadRequestError, DuplexError, ErrorCode, abort
+from duplex.v1 import session_pb2, session_pb2_grpc
+from session_service.metrics import ERRORS, EVENTS
+from session_service.runner import SessionRunner
+from session_service.sessions import SessionManager
+
+log = logging.getLogger(__name__)
+
+#: How long a half-close must stand before it counts as "close" (a cancel looks alike at first).
+HALF_CLOSE_GRACE_S = 0.05
+
+SERVICE_NAME = session_pb2.DESCRIPTOR.services_by_name["DuplexSession"].full_name
+
+
+class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
+    def __init__(self, manager: SessionManager, *, open_timeout_s: float) -> None:
+        self._manager = manager
+        self._open_timeout_s = open_timeout_s
+
+    async def Converse(
+        self,
+        request_iterator: AsyncIterator[session_pb2.ClientEvent],
+        context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
+    ) -> AsyncIterator[session_pb2.ServerEvent]:
+        it = aiter(request_iterator)
+        runner: SessionRunner | None = None
+        refused = 0
+        while runner is None:
+            try:
+                async with asyncio.timeout(self._open_timeout_s):
+                    ev = await anext(it)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                await self._abort(
+                    context, BadRequestError(ErrorCode.SESSION_NOT_OPEN, "no open or resume in time")
+                )
+            kind = ev.WhichOneof("event")
+            EVENTS.labels(direction="in", type=kind or "none").inc()
+            try:
+                if kind == "open":
+                    runner = await self._manager.open(ev.open)
+                elif kind == "resume":
+                    runner = await self._manager.resume(ev.resume)
+            except DuplexError as err:
+                await self._abort(context, err)
+            if runner is None:
+                refused += 1
+                ERRORS.labels(code=ErrorCode.SESSION_NOT_OPEN.value).inc()
+                yield session_pb2.ServerEvent(
+                    event_id=f"pre_{refused}",
+                    error=session_pb2.Error(
+                        code=ErrorCode.SESSION_NOT_OPEN.value,
+                        message="open or resume a session first",
+                        event_id=ev.event_id,
+                    ),
+                )
+        attachment = runner.outbound.attach()
+        reader = asyncio.create_task(self._pump(it, runner, attachment, context))
+        try:
+            while True:
+                out = await runner.outbound.get(attachment)
+                if out is None:
+                    break
+                yield out
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+    async def _abort(
+        self,
+        context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
+        err: DuplexError,
+    ) -> NoReturn:
+        ERRORS.labels(code=err.code).inc()
+        await abort(context, err)  # type: ignore[arg-type]
+
+    async def _pump(
+        self,
+        it: AsyncIterator[session_pb2.ClientEvent],
+        runner: SessionRunner,
+        attachment: int,
+        context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
+    ) -> None:
+        try:
+            async for ev in it:
+                await runner.post(ev, time.monotonic())
+        except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
+            return  # dropped stream: the runner stays for a resume until its idle timeout
+        except Exception:
+            log.exception("session %s: reading the client stream failed", runner.session_id)
+            return
+        # A cancelled RPC also ends the request iterator, a moment before the cancellation is
+        # visible: wait briefly so a dropped stream is not mistaken for a half-close (which closes).
+        await asyncio.sleep(HALF_CLOSE_GRACE_S)
+        if context.cancelled() or context.done():
+            return
+        # Half-close by the client ends the session, unless a resumed stream has taken over.
+        if runner.outbound.current_attachment == attachment:
+            await runner.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))

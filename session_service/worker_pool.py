@@ -1,0 +1,296 @@
+"""Links to the workers: one Run stream per worker, shared by every session of this replica.
+
+A link's sender task coalesces every pending submission, abort and release into ONE
+``WorkerCommand`` per loop iteration (the hop is never one message per frame). Its reader
+hands each ``StepOutput`` to the router. A link that loses its stream tells the router (its
+sessions fail over), then reconnects with backoff. Sessions are placed by rendezvous hashing
+of the session id over the healthy links, so every replica agrees without shared state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from duplex.errors import DuplexError, ErrorCode, UnavailableError, from_rpc_error
+from duplex.serving import CHANNEL_OPTIONS
+from duplex.v1 import worker_pb2, worker_pb2_grpc
+from session_service.hashing import rendezvous_pick
+from session_service.metrics import WORKER_COMMAND_SIZE, WORKERS_HEALTHY
+from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    submit: list[worker_pb2.Submission]
+    futures: list[asyncio.Future[None]]
+    abort: list[worker_pb2.Abort]
+    release: list[worker_pb2.Release]
+
+    @classmethod
+    def empty(cls) -> _Pending:
+        return cls([], [], [], [])
+
+    def __bool__(self) -> bool:
+        return bool(self.submit or self.abort or self.release)
+
+
+class WorkerLink:
+    """One worker: its channel, its description and the replica's one Run stream to it."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        owner: str,
+        plugin: DuplexModelPlugin,
+        on_step: Callable[[WorkerLink, worker_pb2.StepOutput], None],
+        on_lost: Callable[[WorkerLink], None],
+        on_health: Callable[[], None],
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.owner = owner
+        self._plugin = plugin
+        self._on_step = on_step
+        self._on_lost = on_lost
+        self._on_health = on_health
+        self._backoff_max_s = backoff_max_s
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = worker_pb2_grpc.DuplexWorkerStub(self._channel)
+        self.description: worker_pb2.WorkerDescription | None = None
+        self._healthy = False
+        self._pending = _Pending.empty()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.commands_sent = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"worker-link-{self.address}")
+
+    async def close(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._channel.close()
+
+    # ---- commands ----------------------------------------------------------------------------
+
+    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        """Queue submissions for the next command; resolves when that command is written."""
+        if not self._healthy:
+            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"worker {self.address} is unavailable")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.submit.extend(subs)
+        self._pending.futures.append(fut)
+        self._wake.set()
+        return fut
+
+    def abort(self, abort: worker_pb2.Abort) -> None:
+        if self._healthy:
+            self._pending.abort.append(abort)
+            self._wake.set()
+
+    def release(self, release: worker_pb2.Release) -> None:
+        if self._healthy:
+            self._pending.release.append(release)
+            self._wake.set()
+
+    async def attach(self, session_id: str, epoch: int, *, takeover: bool, deadline_s: float) -> int:
+        """Bind a session to this replica at ``epoch``; returns the granted epoch."""
+        try:
+            resp = await self._stub.Attach(
+                worker_pb2.AttachRequest(
+                    session_id=session_id, epoch=epoch, owner=self.owner, takeover=takeover
+                ),
+                timeout=deadline_s,
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return int(resp.epoch)
+
+    # ---- the stream ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while not self._stopping:
+            try:
+                desc = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0)
+                check_worker(self._plugin, desc)
+                self.description = desc
+                await self._serve_stream()
+                backoff = 0.1  # the stream ran: a fresh failure starts the backoff over
+            except asyncio.CancelledError:
+                raise
+            except PluginLoadError as err:
+                log.error("worker %s refused: %s", self.address, err.message)
+            except grpc.RpcError as exc:
+                log.warning("worker %s: %s", self.address, from_rpc_error(exc).message)
+            except Exception:
+                log.exception("worker %s: link failed", self.address)
+            finally:
+                self._lose()
+            # Jittered exponential backoff: a restarting worker is not stampeded by every replica.
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(self._backoff_max_s, backoff * 2)
+
+    async def _serve_stream(self) -> None:
+        call = self._stub.Run()
+        await call.write(worker_pb2.WorkerCommand(owner=self.owner))
+        self._healthy = True
+        self._on_health()
+        log.info(
+            "worker %s: Run stream open (model %s)",
+            self.address,
+            self.description.model_id if self.description else "?",
+        )
+        sender = asyncio.create_task(self._send_loop(call))
+        try:
+            while True:
+                step = await call.read()
+                if step is grpc.aio.EOF:
+                    raise ConnectionError("worker closed the Run stream")
+                try:
+                    self._on_step(self, step)
+                except Exception:
+                    log.exception("worker %s: routing a step failed", self.address)
+                if sender.done():
+                    sender.result()  # re-raise the sender's failure
+        finally:
+            sender.cancel()
+            with contextlib.suppress(BaseException):
+                await sender
+            call.cancel()
+
+    async def _send_loop(
+        self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
+    ) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            pending, self._pending = self._pending, _Pending.empty()
+            if not pending:
+                continue
+            cmd = worker_pb2.WorkerCommand(
+                submit=pending.submit, abort=pending.abort, release=pending.release
+            )
+            WORKER_COMMAND_SIZE.observe(len(pending.submit) + len(pending.abort) + len(pending.release))
+            try:
+                await call.write(cmd)
+            except BaseException as exc:
+                for fut in pending.futures:
+                    if not fut.done():
+                        fut.set_exception(ConnectionError(f"worker stream write failed: {exc!r}"))
+                raise
+            self.commands_sent += 1
+            for fut in pending.futures:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _lose(self) -> None:
+        was = self._healthy
+        self._healthy = False
+        pending, self._pending = self._pending, _Pending.empty()
+        for fut in pending.futures:
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"worker {self.address} went away"))
+        if was:
+            log.warning("worker %s: Run stream lost", self.address)
+            self._on_lost(self)
+            self._on_health()
+
+
+class WorkerPool:
+    """Every configured worker; places sessions by rendezvous hashing over the healthy ones."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        owner: str,
+        plugin: DuplexModelPlugin,
+        on_step: Callable[[WorkerLink, worker_pb2.StepOutput], None],
+        on_lost: Callable[[WorkerLink], None],
+        attach_timeout_s: float = 5.0,
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        self.owner = owner
+        self._attach_timeout_s = attach_timeout_s
+        self._ready = asyncio.Event()
+        self.links: dict[str, WorkerLink] = {
+            addr: WorkerLink(
+                addr,
+                owner=owner,
+                plugin=plugin,
+                on_step=on_step,
+                on_lost=on_lost,
+                on_health=self._health_changed,
+                backoff_max_s=backoff_max_s,
+            )
+            for addr in dict.fromkeys(addresses)
+        }
+        self.health_listeners: list[Callable[[bool], None]] = []
+
+    def start(self) -> None:
+        for link in self.links.values():
+            link.start()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self.links.values()))
+
+    def healthy(self) -> list[WorkerLink]:
+        return [link for link in self.links.values() if link.healthy]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.healthy())
+
+    async def wait_ready(self, within_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await self._ready.wait()
+        return self.ready
+
+    def _health_changed(self) -> None:
+        n = len(self.healthy())
+        WORKERS_HEALTHY.set(n)
+        if n:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        for listener in self.health_listeners:
+            listener(n > 0)
+
+    def pick(self, session_id: str) -> WorkerLink:
+        addr = rendezvous_pick(session_id, (link.address for link in self.healthy()))
+        if addr is None:
+            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "no worker of the model is reachable")
+        return self.links[addr]
+
+    async def place(self, session_id: str, epoch: int, takeover: bool) -> tuple[WorkerLink, int]:
+        """Pick the session's worker and attach it there; returns the link and the granted epoch."""
+        link = self.pick(session_id)
+        try:
+            granted = await link.attach(
+                session_id, epoch, takeover=takeover, deadline_s=self._attach_timeout_s
+            )
+        except DuplexError as err:
+            if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
+                raise
+            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"attach failed: {err.message}") from err
+        return link, granted

@@ -1,0 +1,269 @@
+"""Helpers for session-service process tests: the stack, a small client, content comparison."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from duplex.audio import PCM16K_MONO, PcmFormat, decode, encode, read_wav, resample, to_mono
+from duplex.errors import DuplexError, from_rpc_error
+from duplex.v1 import session_pb2, session_pb2_grpc
+from tests.procs import ServiceProcess, start_service
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PARROT = "session_service.plugins.parrot:ParrotPlugin"
+
+
+def worker_args() -> list[str]:
+    return [
+        "worker",
+        "--model",
+        "parrot",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "0",
+        "--torch-threads",
+        "1",
+    ]
+
+
+def session_args(workers: list[str], *extra: str) -> list[str]:
+    return [
+        "session",
+        "--plugin",
+        PARROT,
+        "--workers",
+        ",".join(workers),
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "0",
+        *extra,
+    ]
+
+
+@dataclass
+class Stack:
+    workers: list[ServiceProcess]
+    session: ServiceProcess
+    extra: list[ServiceProcess] = field(default_factory=list)
+
+    def all(self) -> list[ServiceProcess]:
+        return [*self.extra, self.session, *self.workers]
+
+
+@contextlib.contextmanager
+def running_stack(n_workers: int = 2, *session_extra: str) -> Iterator[Stack]:
+    """Workers (started in parallel) and one session service; every process is gone afterwards."""
+    started: list[ServiceProcess] = []
+    try:
+        with ThreadPoolExecutor(n_workers) as pool:
+            futures = [pool.submit(start_service, worker_args()) for _ in range(n_workers)]
+            errors = []
+            for f in futures:
+                try:
+                    started.append(f.result())
+                except Exception as exc:  # keep the ones that started, to stop them
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        workers = list(started)
+        session = start_service(session_args([w.grpc for w in workers], *session_extra))
+        started.append(session)
+        stack = Stack(workers, session)
+        wait_metric(session.metrics, "duplex_session_workers_healthy", float(n_workers), timeout=30)
+        yield stack
+        started.extend(stack.extra)
+    finally:
+        for proc in reversed(started):
+            proc.terminate(timeout=10)
+
+
+def metrics_text(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+        text: str = resp.read().decode()
+    return text
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float | None:
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.split()[-1])
+    return total
+
+
+def wait_metric(address: str, name: str, value: float, *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = metric_value(metrics_text(address), name)
+        if got == value:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} is {got}, want {value}")
+        time.sleep(0.1)
+
+
+def speech(i: int) -> np.ndarray:
+    """Fixture ``speech_{i}`` as 16 kHz mono float32."""
+    x, rate = read_wav(FIXTURES / f"speech_{i:02d}.wav")
+    return resample(to_mono(x), rate, 16000)
+
+
+def utterance_pcm(x16k: np.ndarray, fmt: PcmFormat, *, lead_s: float = 0.2, tail_s: float = 1.2) -> bytes:
+    """Silence, the utterance, silence (for turn detection), in ``fmt``."""
+    z = np.zeros
+    signal = np.concatenate([z(int(lead_s * 16000), np.float32), x16k, z(int(tail_s * 16000), np.float32)])
+    return encode(resample(signal, 16000, fmt.sample_rate_hz), fmt)
+
+
+def to_16k(pcm: bytes, fmt: PcmFormat) -> np.ndarray:
+    return resample(to_mono(decode(pcm, fmt)), fmt.sample_rate_hz, 16000)
+
+
+def similarity(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak normalized cross-correlation over all lags (1.0 = same up to a shift)."""
+    a = np.asarray(a, np.float64) - np.mean(a)
+    b = np.asarray(b, np.float64) - np.mean(b)
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0 or nb == 0:
+        return 0.0
+    n = 1 << int(np.ceil(np.log2(len(a) + len(b))))
+    corr = np.fft.irfft(np.fft.rfft(a, n) * np.conj(np.fft.rfft(b, n)), n)
+    return float(np.max(np.abs(corr)) / (na * nb))
+
+
+def open_event(
+    fmt: PcmFormat = PCM16K_MONO,
+    *,
+    model: str = "parrot",
+    extra_body: dict[str, object] | None = None,
+    turn_detection: session_pb2.TurnDetection | None = None,
+) -> session_pb2.ClientEvent:
+    cfg = session_pb2.SessionConfig(input_format=fmt.to_proto())
+    if turn_detection is not None:
+        cfg.turn_detection.CopyFrom(turn_detection)
+    ev = session_pb2.ClientEvent(event_id="open", open=session_pb2.SessionOpen(model=model, config=cfg))
+    if extra_body:
+        ev.open.extra_body.update(extra_body)
+    return ev
+
+
+class Conversation:
+    """One Converse stream: send events, await the ones you expect, keep them all."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = session_pb2_grpc.DuplexSessionStub(channel)
+        self._out: asyncio.Queue[session_pb2.ClientEvent | None] = asyncio.Queue()
+        self.events: list[session_pb2.ServerEvent] = []
+        self.arrival: list[float] = []
+        self.error: DuplexError | None = None
+        self.status: grpc.StatusCode | None = None
+        self._changed = asyncio.Event()
+        self._done = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None  # type: ignore[type-arg]
+        self.seq = 0
+        self.sent_bytes = 0
+
+    async def _requests(self) -> AsyncIterator[session_pb2.ClientEvent]:
+        while True:
+            ev = await self._out.get()
+            if ev is None:
+                return
+            yield ev
+
+    def start(self, first: session_pb2.ClientEvent | None = None) -> Conversation:
+        if first is not None:
+            self.send(first)
+        self._call = self._stub.Converse(self._requests())
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        assert self._call is not None
+        try:
+            async for ev in self._call:
+                self.events.append(ev)
+                self.arrival.append(time.monotonic())
+                self._changed.set()
+        except grpc.aio.AioRpcError as exc:
+            self.status = exc.code()
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self.error = from_rpc_error(exc)
+        finally:
+            self._done.set()
+            self._changed.set()
+
+    def send(self, ev: session_pb2.ClientEvent) -> None:
+        self._out.put_nowait(ev)
+
+    def append(self, pcm: bytes, **kw: object) -> int:
+        self.seq += 1
+        self.sent_bytes += len(pcm)
+        self.send(session_pb2.ClientEvent(append=session_pb2.InputAudioAppend(seq=self.seq, pcm=pcm, **kw)))  # type: ignore[arg-type]
+        return self.seq
+
+    async def stream(self, pcm: bytes, fmt: PcmFormat, *, chunk_ms: float = 20, speedup: float = 4.0) -> None:
+        """Append ``pcm`` in chunks, faster than real time by ``speedup``."""
+        step = fmt.bytes_for_ms(chunk_ms)
+        for i in range(0, len(pcm), step):
+            self.append(pcm[i : i + step])
+            await asyncio.sleep(chunk_ms / 1000 / speedup)
+
+    def half_close(self) -> None:
+        self._out.put_nowait(None)
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    async def wait_for(
+        self, pred: Callable[[session_pb2.ServerEvent], bool], *, within: float = 10.0, start: int = 0
+    ) -> session_pb2.ServerEvent:
+        """The first event from index ``start`` matching ``pred``."""
+        async with asyncio.timeout(within):
+            i = start
+            while True:
+                while i < len(self.events):
+                    if pred(self.events[i]):
+                        return self.events[i]
+                    i += 1
+                if self._done.is_set():
+                    tail = [str(e).replace("\n", " ")[:120] for e in self.events[-4:]]
+                    raise AssertionError(
+                        f"stream ended ({self.status}, {self.error}) without the event: {tail}"
+                    )
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def wait_kind(self, kind: str, *, within: float = 10.0, start: int = 0) -> session_pb2.ServerEvent:
+        return await self.wait_for(lambda e: e.WhichOneof("event") == kind, within=within, start=start)
+
+    async def wait_done(self, within: float = 10.0) -> None:
+        async with asyncio.timeout(within):
+            await self._done.wait()
+
+    def of(self, kind: str) -> list[session_pb2.ServerEvent]:
+        return [e for e in self.events if e.WhichOneof("event") == kind]
+
+    def kinds(self) -> list[str]:
+        return [e.WhichOneof("event") or "" for e in self.events]

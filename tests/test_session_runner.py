@@ -1,0 +1,426 @@
+"""Unit tests of one SessionRunner with a fake worker link (no processes): fencing, purging,
+append validation, the response lifecycle, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from duplex.audio import F32LE, S16LE
+from duplex.errors import ErrorCode
+from duplex.v1 import common_pb2, session_pb2, worker_pb2
+from session_service.config import RunnerConfig
+from session_service.plugin import Fence
+from session_service.plugins.parrot import ParrotPlugin
+from session_service.runner import RunnerDeps, SessionRunner
+
+FRAME = b"\x10\x00" * 512
+SID = "sess_unit"
+
+
+class FakeLink:
+    """Records what the runner hands to the worker; every write succeeds at once."""
+
+    address = "fake:1"
+
+    def __init__(self) -> None:
+        self.healthy = True
+        self.subs: list[worker_pb2.Submission] = []
+        self.aborts: list[worker_pb2.Abort] = []
+        self.releases: list[worker_pb2.Release] = []
+        self.fail_next = 0
+
+    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.fail_next:
+            self.fail_next -= 1
+            fut.set_exception(ConnectionError("down"))
+        else:
+            self.subs.extend(subs)
+            fut.set_result(None)
+        return fut
+
+    def abort(self, abort: worker_pb2.Abort) -> None:
+        self.aborts.append(abort)
+
+    def release(self, release: worker_pb2.Release) -> None:
+        self.releases.append(release)
+
+    def kinds(self) -> list[int]:
+        return [s.kind for s in self.subs]
+
+
+async def _placer(session_id: str, epoch: int, takeover: bool):  # type: ignore[no-untyped-def]
+    raise AssertionError("not expected")
+
+
+def make_runner(link: FakeLink, **cfg: object) -> SessionRunner:
+    plugin = ParrotPlugin()
+    settings = plugin.default_settings()
+    r = SessionRunner(
+        session_id=SID,
+        settings=settings,
+        runtime_config={"pitch_semitones": 4.0, "silence_ms": None},
+        link=link,
+        epoch=1,
+        resume_token="tok",
+        deps=RunnerDeps(
+            plugin=plugin,
+            capabilities=plugin.capabilities(max_sessions=4),
+            config=RunnerConfig(**cfg),  # type: ignore[arg-type]
+            placer=_placer,
+        ),
+    )
+    r.start()
+    return r
+
+
+def drain(r: SessionRunner) -> list[session_pb2.ServerEvent]:
+    out = []
+    while len(r.outbound):
+        ev = r.outbound._items.popleft().event
+        out.append(ev)
+    return out
+
+
+def kinds(events: list[session_pb2.ServerEvent]) -> list[str]:
+    return [e.WhichOneof("event") or "" for e in events]
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def append(
+    seq: int, pcm: bytes = FRAME, fmt: common_pb2.AudioFormat | None = None, eid: str = ""
+) -> session_pb2.ClientEvent:
+    ap = session_pb2.InputAudioAppend(seq=seq, pcm=pcm)
+    if fmt is not None:
+        ap.format.CopyFrom(fmt)
+    return session_pb2.ClientEvent(event_id=eid or f"a{seq}", append=ap)
+
+
+def step_update(epoch: int, turn: int, **kw: object) -> worker_pb2.RequestUpdate:
+    return worker_pb2.RequestUpdate(request_id=SID, fence=Fence(SID, epoch, turn).to_proto(), **kw)  # type: ignore[arg-type]
+
+
+def audio(r: SessionRunner, epoch: int, turn: int, pcm: bytes = FRAME) -> None:
+    r.on_output(Fence(SID, epoch, turn).to_proto(), common_pb2.AudioPayload(pcm=pcm), [])
+
+
+async def start_response(r: SessionRunner) -> None:
+    r.on_output(None, None, [step_update(r.epoch, r.turn_id, turn_ended=True, committed_samples=8000)])
+    await settle()
+
+
+async def test_append_is_acked_after_the_worker_write_with_params_first() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await r.post(append(1))
+    await r.post(append(2, FRAME[:200]))
+    await settle()
+    evs = drain(r)
+    assert kinds(evs) == ["input_ack", "input_ack"]
+    assert [e.input_ack.seq for e in evs] == [1, 2] and evs[0].input_ack.epoch == 1
+    assert link.kinds() == [worker_pb2.SUBMISSION_KIND_APPEND]  # seq 2 is still a partial frame
+    sub = link.subs[0]
+    assert sub.fence.epoch == 1 and sub.seq == 1 and sub.pcm == FRAME
+    assert dict(sub.params)["auto_commit"] is True
+
+
+@pytest.mark.parametrize(
+    ("event", "code"),
+    [
+        (
+            append(1, FRAME, common_pb2.AudioFormat(encoding=F32LE, sample_rate_hz=16000, channels=1)),
+            ErrorCode.AUDIO_FORMAT_MISMATCH,
+        ),
+        (
+            append(1, FRAME, common_pb2.AudioFormat(encoding=S16LE, sample_rate_hz=12345, channels=1)),
+            ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
+        ),
+        (
+            append(1, FRAME, common_pb2.AudioFormat(encoding=0, sample_rate_hz=16000, channels=1)),
+            ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
+        ),
+        (append(1, b"\x00" * 1023), ErrorCode.INVALID_PCM_LENGTH),
+        (append(1, b""), ErrorCode.INVALID_PCM_LENGTH),
+        (append(1, b"\x00" * (256 * 1024 + 2)), ErrorCode.CHUNK_TOO_LARGE),
+        (session_pb2.ClientEvent(event_id="x", open=session_pb2.SessionOpen()), ErrorCode.ALREADY_OPEN),
+        (
+            session_pb2.ClientEvent(event_id="x", response_create=session_pb2.ResponseCreate()),
+            ErrorCode.NO_COMMITTED_INPUT,
+        ),
+        (
+            session_pb2.ClientEvent(event_id="x", response_cancel=session_pb2.ResponseCancel()),
+            ErrorCode.NO_ACTIVE_RESPONSE,
+        ),
+        (
+            session_pb2.ClientEvent(event_id="x", commit=session_pb2.InputAudioCommit()),
+            ErrorCode.NO_COMMITTED_INPUT,
+        ),
+        (session_pb2.ClientEvent(event_id="x"), ErrorCode.INVALID_EVENT),
+    ],
+)
+async def test_bad_events_get_their_code_and_the_session_goes_on(
+    event: session_pb2.ClientEvent, code: str
+) -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await r.post(event)
+    await r.post(append(5, eid="good"))
+    await settle()
+    evs = drain(r)
+    assert kinds(evs) == ["error", "input_ack"], evs
+    assert evs[0].error.code == code and evs[0].error.event_id == event.event_id
+    assert not r.closed
+
+
+async def test_seq_must_increase() -> None:
+    r = make_runner(FakeLink())
+    await r.post(append(3))
+    await r.post(append(3))
+    await r.post(append(2))
+    await settle()
+    assert [e.error.code for e in drain(r) if e.HasField("error")] == ["seq_out_of_order"] * 2
+
+
+async def test_failed_write_rolls_back_and_abandons_later_appends() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    link.fail_next = 1
+    await r.post(append(1))
+    await r.post(append(2))
+    await r.post(session_pb2.ClientEvent(clear=session_pb2.InputAudioClear()))
+    await r.post(append(3))
+    await settle()
+    evs = drain(r)
+    assert [e.error.code for e in evs if e.HasField("error")] == ["worker_unavailable", "input_abandoned"]
+    assert kinds(evs)[-2:] == ["cleared", "input_ack"]
+    assert r.state.audio_buffer.pending_byte_count == 0 and not r.state.audio_buffer.has_reserved()
+
+
+async def test_turn_end_starts_a_response_and_audio_flows_in_order() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    assert link.kinds()[-1] == worker_pb2.SUBMISSION_KIND_RESPOND and link.subs[-1].fence.turn_id == 1
+    audio(r, 1, 1)
+    audio(r, 1, 1)
+    r.on_output(None, None, [step_update(1, 1, response_finished=True)])
+    evs = drain(r)
+    assert kinds(evs) == ["committed", "response_started", "audio_delta", "audio_delta", "response_done"]
+    assert evs[1].response_started.turn_id == 1
+    assert (
+        evs[3].audio_delta.offset_ms == 32
+        and evs[4].response_done.status == session_pb2.RESPONSE_STATUS_COMPLETED
+    )
+    assert r.state.context_locked
+
+
+async def test_cancel_fences_old_epoch_and_purges_queued_audio() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    audio(r, 1, 1)
+    audio(r, 1, 1)
+    # The client has not read yet: the queued audio must not survive the cancel.
+    await r.post(session_pb2.ClientEvent(barge_in=session_pb2.BargeIn()))
+    await settle()
+    audio(r, 1, 1)  # late audio of the cancelled epoch from the worker
+    r.on_output(None, None, [step_update(1, 1, response_finished=True)])
+    evs = drain(r)
+    assert kinds(evs) == ["committed", "response_started", "audio_cancelled", "response_done"]
+    ac = evs[2].audio_cancelled
+    assert (ac.cancelled_epoch, ac.epoch, ac.reason) == (1, 2, "barge_in")
+    assert evs[3].response_done.status == session_pb2.RESPONSE_STATUS_CANCELLED
+    assert link.aborts[-1].fence.epoch == 2 and link.aborts[-1].reason == "barge_in"
+    # Seq restarts at 1 in the new epoch (appends sent before the client saw the cancel still pass).
+    await r.post(append(7))
+    await r.post(append(1))
+    await settle()
+    assert [e.input_ack.seq for e in drain(r)] == [7, 1]
+    assert link.subs[-1].fence.epoch == 2
+
+
+async def test_vad_speech_during_response_barges_in() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    started = worker_pb2.VadEvent(kind=worker_pb2.VadEvent.KIND_SPEECH_STARTED, sample_offset=16000)
+    # Speech start and audio of the same step: the audio must not get out.
+    r.on_output(
+        Fence(SID, 1, 1).to_proto(), common_pb2.AudioPayload(pcm=FRAME), [step_update(1, 1, vad=[started])]
+    )
+    evs = drain(r)
+    assert kinds(evs) == [
+        "committed",
+        "response_started",
+        "speech_started",
+        "audio_cancelled",
+        "response_done",
+    ]
+    assert evs[2].speech_started.audio_ms == 1000
+
+
+async def test_stale_outputs_are_dropped() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    drain(r)
+    audio(r, 0, 1)  # older epoch
+    audio(r, 1, 0)  # older turn
+    audio(r, 1, 7)  # a turn that is not the active response
+    r.on_output(None, None, [step_update(0, 1, turn_ended=True)])  # stale news
+    r.on_output(None, common_pb2.AudioPayload(pcm=FRAME), [])  # no batch fence
+    assert drain(r) == []
+
+
+async def test_worker_errors_fail_the_response_or_fence_the_session() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    r.on_output(
+        None, None, [step_update(1, 1, error=worker_pb2.WorkerError(code="model_error", message="boom"))]
+    )
+    evs = drain(r)
+    assert kinds(evs)[-2:] == ["response_done", "error"]
+    assert evs[-2].response_done.status == session_pb2.RESPONSE_STATUS_FAILED
+    r.on_output(None, None, [step_update(1, 1, error=worker_pb2.WorkerError(code="not_owner"))])
+    evs = drain(r)
+    assert kinds(evs) == ["error", "closed"] and evs[0].error.code == "fenced" and r.closed
+    assert link.releases
+
+
+async def test_response_create_rules_and_context_lock() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    up = session_pb2.ClientEvent(
+        update=session_pb2.SessionUpdate(config=session_pb2.SessionConfig(instructions="hi"))
+    )
+    await r.post(up)
+    await r.post(append(1))
+    await r.post(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
+    await r.post(session_pb2.ClientEvent(response_create=session_pb2.ResponseCreate()))
+    await r.post(session_pb2.ClientEvent(response_create=session_pb2.ResponseCreate()))
+    up2 = session_pb2.ClientEvent(
+        update=session_pb2.SessionUpdate(config=session_pb2.SessionConfig(instructions="no"))
+    )
+    await r.post(up2)
+    bad_model = session_pb2.ClientEvent(update=session_pb2.SessionUpdate())
+    bad_model.update.extra_body.update({"model": "other"})
+    await r.post(bad_model)
+    private = session_pb2.ClientEvent(update=session_pb2.SessionUpdate())
+    private.update.extra_body.update({"_worker_params": {"x": 1}})
+    await r.post(private)
+    await settle()
+    evs = drain(r)
+    assert kinds(evs)[:4] == ["updated", "input_ack", "committed", "response_started"]
+    assert [e.error.code for e in evs if e.HasField("error")] == [
+        "response_in_progress",
+        "context_locked",
+        "model_change_refused",
+        "private_runtime_key",
+    ]
+    assert link.kinds()[-2:] == [worker_pb2.SUBMISSION_KIND_COMMIT, worker_pb2.SUBMISSION_KIND_RESPOND]
+
+
+async def test_idle_session_closes() -> None:
+    r = make_runner(FakeLink(), idle_timeout_s=0.1)
+    await asyncio.wait_for(r.wait_closed(), 2.0)
+    evs = drain(r)
+    assert kinds(evs) == ["closed"] and evs[0].closed.reason == "idle_timeout"
+
+
+async def test_silence_is_fed_while_a_response_runs_without_input() -> None:
+    link = FakeLink()
+    r = make_runner(link, max_silence_frames=3)
+    await start_response(r)
+    await asyncio.sleep(0.25)
+    silence = [s for s in link.subs if s.kind == worker_pb2.SUBMISSION_KIND_APPEND]
+    assert len(silence) == 3 and all(not any(s.pcm) for s in silence)
+    assert [s.seq for s in silence] == [1, 2, 3]
+
+
+async def test_outbound_consumer_never_sees_older_epoch_audio() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    audio(r, 1, 1)
+    att = r.outbound.attach()
+    got = [await r.outbound.get(att) for _ in range(3)]
+    assert kinds(got) == ["committed", "response_started", "audio_delta"]
+    audio(r, 1, 1)
+    r.epoch += 1  # even if an epoch moved without a purge, the consumer re-checks
+    assert r.outbound._items and (await asyncio.wait_for(_next_or_none(r, att), 0.2)) is None
+
+
+async def _next_or_none(r: SessionRunner, att: int) -> session_pb2.ServerEvent | None:
+    try:
+        return await asyncio.wait_for(r.outbound.get(att), 0.1)
+    except TimeoutError:
+        return None
+
+
+# ---- router ---------------------------------------------------------------------------------
+
+
+class _Recorder:
+    def __init__(self, link: object) -> None:
+        self.link = link
+        self.session_id = SID
+        self.calls: list[tuple[object, object, list[str]]] = []
+
+    def on_output(self, fence, payload, updates) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append((fence, payload, ["error" if u.HasField("error") else "news" for u in updates]))
+
+
+def _step(req_ids: list[str], n_audio: int, *, sparse: bool = True) -> worker_pb2.StepOutput:
+    step = worker_pb2.StepOutput(step=3)
+    for rid in [SID, "other"]:
+        step.batch.add(request_id=rid, fence=Fence(rid, 1, 1).to_proto())
+    step.outputs.output_type = worker_pb2.OUTPUT_TYPE_AUDIO
+    step.outputs.sparse_audio = sparse
+    step.outputs.req_id.extend(req_ids)
+    for _ in range(n_audio):
+        step.outputs.audio.add(pcm=FRAME)
+    step.updates.add(request_id=SID, fence=Fence(SID, 1, 1).to_proto(), text="t")
+    return step
+
+
+def test_router_routes_by_request_and_fails_closed() -> None:
+    from session_service.routing import Router, SessionRegistry
+
+    link = FakeLink()
+    reg = SessionRegistry()
+    rec = _Recorder(link)
+    reg.add(rec)  # type: ignore[arg-type]
+    router = Router(reg)
+    router.on_step(link, _step([SID], 1))
+    assert rec.calls[-1][1] is not None and rec.calls[-1][0].epoch == 1  # type: ignore[union-attr]
+    # Length mismatch: no payload of the step is routed, but per-request news still is.
+    router.on_step(link, _step([SID, "other"], 1))
+    assert rec.calls[-1][1] is None and rec.calls[-1][2] == ["news"]
+    # Dense with the wrong count fails closed too.
+    router.on_step(link, _step([], 1, sparse=False))
+    assert rec.calls[-1][1] is None
+    # Output from a worker the session is not placed on is dropped.
+    n = len(rec.calls)
+    router.on_step(FakeLink(), _step([SID], 1))
+    assert len(rec.calls) == n
+
+
+async def test_worker_loss_fails_the_active_response() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    drain(r)
+    r.on_worker_lost(link)  # type: ignore[arg-type]
+    evs = drain(r)
+    assert kinds(evs) == ["response_done", "error"]
+    assert evs[0].response_done.status == session_pb2.RESPONSE_STATUS_FAILED
+    assert evs[1].error.code == "worker_unavailable" and evs[1].error.retryable
+    assert r.link is None

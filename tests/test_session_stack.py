@@ -1,0 +1,431 @@
+"""The session service with real processes: one session service, two parrot workers.
+
+Checks by CONTENT that every caller gets back only its own reply, that no audio of a cancelled
+epoch follows ``audio_cancelled``, that bad input gets its stable code (or call status) while
+other sessions go on, and that sessions spread over both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, StreamConverter, decode, encode
+from duplex.v1 import common_pb2, session_pb2
+from session_service.hashing import rendezvous_pick
+from tests.procs import REPO, start_service
+from tests.session_helpers import (
+    Conversation,
+    Stack,
+    metric_sum,
+    metric_value,
+    metrics_text,
+    open_event,
+    running_stack,
+    session_args,
+    similarity,
+    speech,
+    to_16k,
+    utterance_pcm,
+    wait_metric,
+)
+from worker_service.models.parrot import parrot_reply
+
+pytestmark = pytest.mark.process
+
+PITCH = 4.0
+SECRET = "shared-test-secret"
+# A few sessions speak other formats, so conversion both ways is on the path being checked.
+FORMATS = [PCM16K_MONO] * 12 + [
+    PcmFormat(F32LE, 24000, 1),
+    PcmFormat(S16LE, 48000, 2),
+    PcmFormat(S16LE, 8000, 1),
+    PcmFormat(F32LE, 16000, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with running_stack(2, "--idle-timeout-s", "20", "--resume-secret", SECRET) as s:
+        yield s
+
+
+async def _reply(
+    conv: Conversation, fmt: PcmFormat, within: float = 30
+) -> tuple[session_pb2.ResponseDone, bytes]:
+    done = await conv.wait_kind("response_done", within=within)
+    rid = done.response_done.response_id
+    pcm = b"".join(e.audio_delta.pcm for e in conv.of("audio_delta") if e.audio_delta.response_id == rid)
+    return done.response_done, pcm
+
+
+async def test_sixteen_sessions_each_get_only_their_own_reply(stack: Stack) -> None:
+    voices = [speech(i) for i in range(16)]
+    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+        convs = [Conversation(ch).start(open_event(fmt)) for fmt in FORMATS]
+        opened = [await c.wait_kind("opened") for c in convs]
+        ids = [o.opened.session_id for o in opened]
+        assert len(set(ids)) == 16
+        # Sessions spread over both workers: rendezvous placement, visible in the placement gauge.
+        placement = {rendezvous_pick(sid, [w.grpc for w in stack.workers]) for sid in ids}
+        assert placement == {w.grpc for w in stack.workers}
+        text = metrics_text(stack.session.metrics)
+        for w in stack.workers:
+            assert (metric_value(text, "duplex_session_worker_sessions", f'worker="{w.grpc}"') or 0) >= 1
+        await asyncio.gather(
+            *(c.stream(utterance_pcm(v, f), f) for c, v, f in zip(convs, voices, FORMATS, strict=True))
+        )
+        replies = await asyncio.gather(*(_reply(c, f) for c, f in zip(convs, FORMATS, strict=True)))
+        for c in convs:
+            c.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        await asyncio.gather(*(c.wait_done() for c in convs))
+
+    # Each reply is parrot_reply(committed span) of its own input: find that span (frame-aligned,
+    # as the worker cut it) to get the exact expected reply, then check each reply against every
+    # session's expected reply by content.
+    got = [to_16k(pcm, out_format(fmt)) for (_, pcm), fmt in zip(replies, FORMATS, strict=True)]
+    heard = [worker_input(utterance_pcm(v, f), f) for v, f in zip(voices, FORMATS, strict=True)]
+    # The worker commits whole frames (speech padded by a frame each side): the exact length.
+    lengths = [round(c.of("committed")[0].committed.audio_ms * 16 / 512) * 512 for c in convs]
+    expected = [
+        best_expected(n, g, h, out_format(f)) for n, g, h, f in zip(lengths, got, heard, FORMATS, strict=True)
+    ]
+    for i, ((done, _), conv) in enumerate(zip(replies, convs, strict=True)):
+        assert done.status == session_pb2.RESPONSE_STATUS_COMPLETED, (i, done)
+        assert conv.of("error") == [], (i, conv.of("error"))
+        assert conv.kinds()[-1] == "closed"
+        # Duration kept: the reply is as long as the committed utterance (speech + a frame each side).
+        assert 0.6 * len(voices[i]) < len(got[i]) < 1.6 * len(voices[i]) + 16000, (i, len(got[i]))
+        scores = [similarity(got[i], e) for e in expected]
+        own, others = scores[i], max(s for j, s in enumerate(scores) if j != i)
+        assert own > 0.8 and own > others + 0.4, (i, own, others)
+        # Every audio delta names this session's response and epoch.
+        for e in conv.of("audio_delta"):
+            assert (e.audio_delta.response_id, e.audio_delta.epoch) == (done.response_id, 1)
+        acks = [e.input_ack.seq for e in conv.of("input_ack")]
+        assert acks == sorted(acks) and acks[-1] == conv.seq
+
+
+def out_format(fmt: PcmFormat) -> PcmFormat:
+    """The default output format of a session: the input's rate and encoding, mono."""
+    return PcmFormat(fmt.encoding, fmt.sample_rate_hz, 1)
+
+
+def worker_input(pcm: bytes, fmt: PcmFormat) -> np.ndarray:
+    """What the worker heard: the session's conversion to 16 kHz mono (chunking-independent)."""
+    out = StreamConverter(fmt, PCM16K_MONO).convert(pcm)
+    return decode(out, PCM16K_MONO)[:, 0]
+
+
+def best_expected(
+    n: int, got: np.ndarray, heard: np.ndarray, out: PcmFormat, *, phase: int = 0
+) -> np.ndarray:
+    """parrot_reply of the frame-aligned span of ``heard`` that best explains ``got``, sent
+    through the same output conversion as the real reply."""
+    best, best_score = parrot_reply(heard[:n], PITCH), -1.0
+    for a in range(phase, min(len(heard) - n, 14 * 512) + 1, 512):
+        reply = encode(parrot_reply(heard[a : a + n], PITCH), PCM16K_MONO)
+        cand = to_16k(StreamConverter(PCM16K_MONO, out).convert(reply), out)
+        score = similarity(got, cand)
+        if score > best_score:
+            best, best_score = cand, score
+    return best
+
+
+async def test_barge_in_mid_reply_leaves_no_cancelled_audio(stack: Stack) -> None:
+    # A long utterance (all voices back to back, the worker caps it at 15 s) makes a reply long
+    # enough to interrupt even on a worker that steps much faster than real time.
+    voice = np.concatenate([speech(i) for i in range(16)])
+    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+        conv = Conversation(ch).start(open_event(extra_body={"silence_ms": 1500}))
+        await conv.wait_kind("opened")
+        cancelled_mid_reply = False
+        for attempt in range(3):
+            start = len(conv.events)
+            await conv.stream(
+                utterance_pcm(voice, PCM16K_MONO, tail_s=1.8), PCM16K_MONO, chunk_ms=40, speedup=16
+            )
+            await conv.wait_kind("audio_delta", start=start, within=30)
+            conv.send(session_pb2.ClientEvent(event_id=f"barge{attempt}", barge_in=session_pb2.BargeIn()))
+            ac_ev = await conv.wait_kind("audio_cancelled", start=start)
+            ac = ac_ev.audio_cancelled
+            await asyncio.sleep(0.5)  # anything in flight from the worker would arrive now
+            after = conv.events[conv.events.index(ac_ev) + 1 :]
+            stale = [
+                e for e in after if e.HasField("audio_delta") and e.audio_delta.epoch <= ac.cancelled_epoch
+            ]
+            assert stale == [], f"{len(stale)} audio deltas of the cancelled epoch after audio_cancelled"
+            assert ac.epoch == ac.cancelled_epoch + 1
+            if ac.response_id:
+                done = [e for e in after if e.HasField("response_done")]
+                assert done[0].response_done.status == session_pb2.RESPONSE_STATUS_CANCELLED
+                assert done[0].response_done.reason == "barge_in"
+                cancelled_mid_reply = True
+                break
+            conv.seq = 0  # the epoch advanced anyway: seq restarts
+        assert cancelled_mid_reply
+        # The session goes on in the new epoch: seq restarts at 1 and a new turn gets a full reply.
+        conv.seq = 0
+        start = len(conv.events)
+        phase = -(conv.sent_bytes // 2) % 512  # where this utterance sits in the worker's frame grid
+        await conv.stream(utterance_pcm(speech(5), PCM16K_MONO, tail_s=1.8), PCM16K_MONO, speedup=8)
+        done = (await conv.wait_kind("response_done", start=start, within=30)).response_done
+        assert done.status == session_pb2.RESPONSE_STATUS_COMPLETED
+        new = [e for e in conv.events[start:] if e.HasField("audio_delta")]
+        assert new and all(e.audio_delta.epoch == ac.epoch for e in new)
+        got = to_16k(b"".join(e.audio_delta.pcm for e in new), PCM16K_MONO)
+        committed = [e for e in conv.events[start:] if e.HasField("committed")][-1].committed
+        n = round(committed.audio_ms * 16 / 512) * 512
+        heard = worker_input(utterance_pcm(speech(5), PCM16K_MONO, tail_s=1.8), PCM16K_MONO)
+        assert similarity(got, best_expected(n, got, heard, PCM16K_MONO, phase=phase)) > 0.8
+        conv.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        await conv.wait_done()
+    text = metrics_text(stack.session.metrics)
+    assert metric_sum(text, "duplex_session_events_total") > 0
+
+
+async def test_bad_input_gets_its_code_and_other_sessions_are_unaffected(stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+        good = Conversation(ch).start(open_event())
+        await good.wait_kind("opened")
+        good_stream = asyncio.create_task(good.stream(utterance_pcm(speech(9), PCM16K_MONO), PCM16K_MONO))
+
+        # Fatal opens end the call with a status and the stable code.
+        fatal = {
+            "private key": (
+                open_event(extra_body={"_worker_params": {"x": 1}}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "private_runtime_key",
+            ),
+            "model_path": (
+                open_event(extra_body={"model_path": "/x"}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "private_runtime_key",
+            ),
+            "bad runtime": (
+                open_event(extra_body={"pitch_semitones": 99}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid_runtime_config",
+            ),
+            "wrong model": (
+                open_event(model="gpt-voice"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "model_mismatch",
+            ),
+            "bad format": (
+                open_event(PcmFormat(S16LE, 12345, 1)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "unsupported_audio_format",
+            ),
+            "bad token": (
+                session_pb2.ClientEvent(
+                    resume=session_pb2.SessionResume(session_id="sess_x", resume_token="nope")
+                ),
+                grpc.StatusCode.UNAUTHENTICATED,
+                "invalid_resume_token",
+            ),
+        }
+        for name, (ev, status, code) in fatal.items():
+            c = Conversation(ch).start(ev)
+            await c.wait_done()
+            assert c.status == status and c.error is not None and c.error.code == code, (
+                name,
+                c.status,
+                c.error,
+            )
+
+        bad = Conversation(ch).start(
+            session_pb2.ClientEvent(event_id="early", commit=session_pb2.InputAudioCommit())
+        )
+        err = await bad.wait_kind("error")
+        assert (err.error.code, err.error.event_id) == ("session_not_open", "early")
+        bad.send(open_event())
+        await bad.wait_kind("opened")
+        checks = [
+            (session_pb2.ClientEvent(event_id="again", open=open_event().open), "already_open"),
+            (_append(1, b"\x00" * 1001), "invalid_pcm_length"),
+            (
+                _append(
+                    2,
+                    b"\x00" * 1024,
+                    common_pb2.AudioFormat(encoding=S16LE, sample_rate_hz=44100, channels=1),
+                ),
+                "audio_format_mismatch",
+            ),
+            (
+                _append(
+                    3, b"\x00" * 1024, common_pb2.AudioFormat(encoding=7, sample_rate_hz=16000, channels=1)
+                ),
+                "unsupported_audio_format",
+            ),
+            (_append(4, b"\x00" * (256 * 1024 + 2)), "chunk_too_large"),
+            (_append(5, b"\x00" * 1024), ""),
+            (_append(5, b"\x00" * 1024), "seq_out_of_order"),
+            (
+                session_pb2.ClientEvent(event_id="rc", response_create=session_pb2.ResponseCreate()),
+                "no_committed_input",
+            ),
+            (
+                session_pb2.ClientEvent(event_id="cancel", response_cancel=session_pb2.ResponseCancel()),
+                "no_active_response",
+            ),
+        ]
+        for ev, _ in checks:
+            bad.send(ev)
+        await bad.wait_for(lambda e: e.HasField("error") and e.error.event_id == "cancel")
+        errors = [(e.error.event_id, e.error.code) for e in bad.of("error")[1:]]
+        assert errors == [(ev.event_id, code) for ev, code in checks if code], errors
+        assert [e.input_ack.seq for e in bad.of("input_ack")] == [5]
+
+        await good_stream
+        done = (await good.wait_kind("response_done", within=30)).response_done
+        assert done.status == session_pb2.RESPONSE_STATUS_COMPLETED and good.of("error") == []
+        got = to_16k(b"".join(e.audio_delta.pcm for e in good.of("audio_delta")), PCM16K_MONO)
+        n = round(good.of("committed")[0].committed.audio_ms * 16 / 512) * 512
+        heard = worker_input(utterance_pcm(speech(9), PCM16K_MONO), PCM16K_MONO)
+        assert similarity(got, best_expected(n, got, heard, PCM16K_MONO)) > 0.8
+        for c in (good, bad):
+            c.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+            await c.wait_done()
+    text = metrics_text(stack.session.metrics)
+    for code in ("private_runtime_key", "invalid_pcm_length", "chunk_too_large", "session_not_open"):
+        assert (metric_value(text, "duplex_session_errors_total", f'code="{code}"') or 0) >= 1, code
+
+
+def _append(seq: int, pcm: bytes, fmt: common_pb2.AudioFormat | None = None) -> session_pb2.ClientEvent:
+    ev = session_pb2.ClientEvent(
+        event_id=f"ap{seq}-{len(pcm)}", append=session_pb2.InputAudioAppend(seq=seq, pcm=pcm)
+    )
+    if fmt is not None:
+        ev.append.format.CopyFrom(fmt)
+    return ev
+
+
+async def test_resume_rebinds_to_the_live_session(stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+        first = Conversation(ch).start(
+            open_event(turn_detection=session_pb2.TurnDetection(auto_respond=False))
+        )
+        opened = (await first.wait_kind("opened")).opened
+        first.append(b"\x00" * 2048)
+        await first.wait_kind("input_ack")
+        first.cancel()  # the stream drops; the session stays for a resume
+        await first.wait_done()
+        second = Conversation(ch).start(
+            session_pb2.ClientEvent(
+                resume=session_pb2.SessionResume(
+                    session_id=opened.session_id, resume_token=opened.resume_token
+                )
+            )
+        )
+        again = (await second.wait_kind("opened")).opened
+        assert (again.session_id, again.epoch) == (opened.session_id, opened.epoch)
+        second.seq = 1
+        second.append(b"\x00" * 2048)
+        ack = await second.wait_kind("input_ack")
+        assert ack.input_ack.seq == 2
+        second.send(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
+        committed = (await second.wait_kind("committed")).committed
+        assert committed.audio_ms == 128
+        second.half_close()  # half-close ends the session
+        await second.wait_for(lambda e: e.HasField("closed"))
+
+
+async def test_health_reflection_and_metrics(stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "duplex.v1.DuplexSession"):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = [s.name async for r in call for s in r.list_services_response.service]
+        assert "duplex.v1.DuplexSession" in names
+    text = metrics_text(stack.session.metrics)
+    for name in (
+        "duplex_session_active_sessions",
+        "duplex_session_events_total",
+        "duplex_session_errors_total",
+        "duplex_session_dropped_outputs_total",
+        "duplex_session_frame_latency_seconds_bucket",
+        "duplex_sparse_fail_closed_total",
+        "duplex_session_worker_command_items_bucket",
+    ):
+        assert name in text, name
+    assert "sess_" not in text  # no per-session labels
+
+
+def test_unknown_plugin_path_refuses_to_start(stack: Stack) -> None:
+    for plugin in ("no_such_pkg.plugins:Nope", "session_service.plugins.parrot:Missing"):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "duplex",
+                "session",
+                "--plugin",
+                plugin,
+                "--workers",
+                stack.workers[0].grpc,
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-port",
+                "0",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 2 and "unknown plugin" in proc.stderr, proc.stderr
+
+
+async def test_takeover_by_another_replica_fences_the_old_owner_then_drain(stack: Stack) -> None:
+    other = start_service(session_args([w.grpc for w in stack.workers], "--resume-secret", SECRET))
+    stack.extra.append(other)
+    wait_metric(other.metrics, "duplex_session_workers_healthy", 2.0, timeout=30)
+    manual = session_pb2.TurnDetection(auto_respond=False)
+    async with (
+        grpc.aio.insecure_channel(stack.session.grpc) as ch_a,
+        grpc.aio.insecure_channel(other.grpc) as ch_b,
+    ):
+        old = Conversation(ch_a).start(open_event(turn_detection=manual))
+        opened = (await old.wait_kind("opened")).opened
+        old.append(b"\x00" * 2048)
+        await old.wait_kind("input_ack")
+        # Resume on replica B: it attaches with takeover and gets a higher epoch.
+        new = Conversation(ch_b).start(
+            session_pb2.ClientEvent(
+                resume=session_pb2.SessionResume(
+                    session_id=opened.session_id, resume_token=opened.resume_token
+                )
+            )
+        )
+        taken = (await new.wait_kind("opened")).opened
+        assert taken.session_id == opened.session_id and taken.epoch > opened.epoch
+        # The old owner is fenced out by the worker: its session fails closed.
+        old.append(b"\x00" * 2048)
+        err = await old.wait_kind("error")
+        assert err.error.code == "fenced"
+        assert (await old.wait_kind("closed")).closed.reason == "fenced"
+        # The new owner goes on.
+        new.append(b"\x00" * 2048)
+        new.send(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
+        assert (await new.wait_kind("committed")).committed.audio_ms == 64  # counted by this replica
+        # SIGTERM drains replica B: go_away with the resume token, then closed, then exit 0.
+        other.proc.send_signal(signal.SIGTERM)
+        away = (await new.wait_kind("go_away")).go_away
+        assert away.resume_token == opened.resume_token and away.reason == "draining"
+        assert (await new.wait_kind("closed")).closed.reason == "draining"
+        await new.wait_done()
+    assert await asyncio.to_thread(other.proc.wait, 15) == 0
