@@ -659,13 +659,9 @@ class SessionRunner:
         )
         fut = link.submit([sub])
         fut.add_done_callback(lambda f: self._on_respond_written(resp, f))
-        td = self.settings.turn_detection
-        if (
-            self._cfg.silence_continuation
-            and td.auto_respond
-            and td.barge_in
-            and self._cfg.max_silence_frames > 0
-        ):
+        # A lockstep model advances its reply one frame per input frame: without client audio the
+        # turn would stall, so silence is fed at real-time deadlines while the response is active.
+        if self._cfg.silence_continuation and self._cfg.max_silence_frames > 0:
             resp.silence_task = asyncio.create_task(self._silence_loop(resp))
 
     def _on_respond_written(self, resp: ActiveResponse, fut: asyncio.Future[None]) -> None:
@@ -826,7 +822,15 @@ class SessionRunner:
                 self._emit(
                     "speech_started", session_pb2.SpeechStarted(audio_ms=vad.sample_offset * 1000 // rate)
                 )
-                if self._response is not None and self.settings.turn_detection.barge_in:
+                # Only speech in input appended after the response began interrupts it: speech the
+                # worker finds in older, still-queued input (a fast client's commit) is the turn
+                # being answered, not a barge-in. The APPEND's fence tells which.
+                resp = self._response
+                if (
+                    resp is not None
+                    and self.settings.turn_detection.barge_in
+                    and u.fence.turn_id >= resp.turn_id
+                ):
                     self._cancel("barge_in")
             elif vad.kind == SPEECH_STOPPED and self._speech_open:
                 self._speech_open = False

@@ -131,11 +131,49 @@ def test_manual_commit_respond_and_cancel(model: ParrotModel) -> None:
         _run(model, [st], [x])
     with pytest.raises(BadEventError):
         model.respond(model.create_state("empty"))
-    assert model.commit(st) == 10 * FRAME
+    # Still in speech at the commit: from a frame before speech began to the end of the input.
+    first = st.first_speech
+    assert first is not None and st.in_speech
+    assert model.commit(st) == 10 * FRAME - max(0, first - FRAME)
     model.respond(st)
     assert model.is_responding(st)
     model.cancel_response(st)
     assert not model.is_responding(st)
+    model.release_state(st)
+
+
+def test_manual_commit_trims_to_speech_and_keeps_all_input_without_speech(model: ParrotModel) -> None:
+    st = model.create_state("trim")
+    model.set_options(st, model.parse_options({"auto_commit": False, "silence_ms": 200.0}))
+    speech = pad_frames(load_speech("speech_05.wav"))
+    lead, tail = np.zeros(20 * FRAME, np.float32), np.zeros(40 * FRAME, np.float32)
+    news = _run(model, [st], [np.concatenate([lead, speech, tail])])
+    starts = [off for n in news[0] for kind, off in n.vad if kind == SPEECH_STARTED]
+    stops = [off for n in news[0] for kind, off in n.vad if kind == SPEECH_STOPPED]
+    assert starts and stops
+    # Leading and trailing silence (e.g. fed to keep a reply going) are not part of the utterance.
+    assert model.commit(st) == (stops[-1] + FRAME) - (starts[0] - FRAME)
+    _run(model, [st], [np.zeros(10 * FRAME, np.float32)])
+    assert model.commit(st) == 10 * FRAME  # nothing heard: everything appended is the input
+    model.release_state(st)
+
+
+def test_replies_are_clocked_by_input_frames(model: ParrotModel) -> None:
+    """Lockstep: a reply advances one frame per consumed input frame, never without input."""
+    st = model.create_state("clock")
+    model.set_options(st, model.parse_options({"auto_commit": False}))
+    _run(model, [st], [pad_frames(load_speech("speech_01.wav"))])
+    n = model.commit(st)
+    model.respond(st)
+    frames = np.zeros((1, FRAME), np.float32)
+    idle = model.step(StepBatch(["clock"], [st], frames, np.zeros(1, np.bool_)))
+    assert list(idle.outputs.req_id) == []  # no input, no reply frame
+    got = 0
+    for _ in range(n // FRAME + 2):
+        res = model.step(StepBatch(["clock"], [st], frames, np.ones(1, np.bool_)))
+        got += sum(len(a.pcm) for a in res.outputs.audio) // 2
+        assert len(res.outputs.audio) <= 1
+    assert got == n and not model.is_responding(st)
     model.release_state(st)
 
 

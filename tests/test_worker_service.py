@@ -89,7 +89,13 @@ async def test_full_parrot_turn_over_grpc() -> None:
         start = next(v.sample_offset for u in ups for v in u.vad if v.kind == STARTED)
         committed = next(u.committed_samples for u in ups if u.turn_ended)
         assert 0.5 * len(speech) < committed <= len(signal)
-        run.send(sub("r1", "s1", RESPOND, turn=1))
+        # The parrot is lockstep: reply frames come one per input frame, so feed silence as the
+        # session service does while a response plays.
+        clock = np.zeros((committed // FRAME + 2) * FRAME, np.float32)
+        run.send(
+            sub("r1", "s1", RESPOND, turn=1),
+            sub("r1", "s1", APPEND, turn=1, seq=len(chunks) + 1, data=pcm(clock)),
+        )
         msgs += await run.until(lambda m: any(u.response_finished for u in m.updates))
         reply_ups = [u for u in updates_of(msgs, "r1") if u.response_started or u.response_finished]
         assert [u.fence.turn_id for u in reply_ups] == [1, 1]
@@ -141,6 +147,7 @@ async def test_newer_epoch_aborts_a_running_reply() -> None:
             sub("r1", "s1", APPEND, seq=1, data=pcm(utterance), params={"auto_commit": False}),
             sub("r1", "s1", COMMIT),
             sub("r1", "s1", RESPOND, turn=1),
+            sub("r1", "s1", APPEND, turn=1, seq=2, data=pcm(np.zeros(300 * FRAME, np.float32))),
         )
         msgs = await run.until(lambda m: any(u.response_started for u in m.updates))
         run.send(
@@ -168,6 +175,7 @@ async def test_owners_see_only_their_own_requests() -> None:
                 sub(rid, sid, APPEND, seq=1, data=pcm(noise(20)), params={"auto_commit": False}),
                 sub(rid, sid, COMMIT),
                 sub(rid, sid, RESPOND, turn=1),
+                sub(rid, sid, APPEND, turn=1, seq=2, data=pcm(np.zeros(22 * FRAME, np.float32))),
             )
         got_a = await a.until(lambda m: any(u.response_finished for u in m.updates))
         got_b = await b.until(lambda m: any(u.response_finished for u in m.updates))

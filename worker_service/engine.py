@@ -425,7 +425,13 @@ class Engine:
         rows: list[FloatArray | None] = []
         for req in self._select():
             frame = self._prepare(model, req, news)
-            replying = req.reply_fence is not None and model.is_responding(req.state)
+            # A lockstep model advances a reply only with an input frame, so a replying request
+            # without one has nothing to step until input arrives (no spinning).
+            replying = (
+                req.reply_fence is not None
+                and model.is_responding(req.state)
+                and (frame is not None or not model.lockstep)
+            )
             if frame is None and not replying:
                 if not req.queue:
                     self._runnable.pop(req.session_id, None)
@@ -463,7 +469,7 @@ class Engine:
         for req in batch:
             if req.reply_fence is not None and not model.is_responding(req.state):
                 req.reply_fence = None
-            if not req.queue and req.reply_fence is None:
+            if not req.queue and (req.reply_fence is None or model.lockstep):
                 self._runnable.pop(req.session_id, None)
         BATCH_SIZE.observe(size)
         STEP_DURATION.observe(time.perf_counter() - t0)

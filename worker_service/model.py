@@ -113,6 +113,11 @@ class StepModel(ABC, Generic[S]):
     """Samples per input frame (APPEND carries whole frames) and per reply frame."""
     device: torch.device
     """Where the model's tensors live."""
+    lockstep: bool = False
+    """A full-duplex model clocked by its input: it produces reply output only in steps where it
+    consumes an input frame (one out per one in), so replies run at the pace the input arrives.
+    The engine then never steps a replying request without input; the session service keeps a
+    turn going without client audio by feeding silence at real-time deadlines."""
 
     @abstractmethod
     def parse_options(self, params: Mapping[str, object]) -> object:
@@ -151,7 +156,8 @@ class StepModel(ABC, Generic[S]):
 
     @abstractmethod
     def is_responding(self, state: S) -> bool:
-        """Whether the request has reply frames left (it needs steps without input)."""
+        """Whether the request has reply frames left (a free-running model needs steps without
+        input for them; a ``lockstep`` one waits for input)."""
 
     @abstractmethod
     def step(self, batch: StepBatch[S]) -> StepResult:

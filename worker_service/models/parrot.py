@@ -135,6 +135,9 @@ class ParrotState:
     in_speech: bool = False
     speech_start: int = 0
     silence_start: int | None = None
+    first_speech: int | None = None
+    """Where the first speech since the last commit began (manual COMMIT trims to speech)."""
+    last_speech_end: int | None = None
     committed: FloatArray | None = None
     reply: bytes = b""
     reply_pos: int = 0
@@ -158,6 +161,9 @@ class ParrotModel(StepModel[ParrotState]):
     model_id = "parrot"
     audio_format = PCM16K_MONO
     frame_samples = FRAME
+    # Full duplex: one reply frame per input frame, so a reply plays out at the pace audio
+    # (client speech, or the session's real-time silence) comes in, and barge-in lands mid-reply.
+    lockstep = True
 
     def __init__(self, device: torch.device, *, initial_slots: int = 64, **defaults: object) -> None:
         self.device = device
@@ -199,12 +205,27 @@ class ParrotModel(StepModel[ParrotState]):
         state.options = options
 
     def commit(self, state: ParrotState) -> int:
-        utterance = state.buffer.take(state.buffer.start, state.buffer.end, self._max_utterance)
+        """The uncommitted input, trimmed to its speech (padded a frame each side) when the VAD
+        heard any: silence the session fed to keep a reply going is not part of what was said."""
+        buf = state.buffer
+        lo, hi = buf.start, buf.end
+        if state.first_speech is not None:
+            end = state.offset if state.in_speech or state.last_speech_end is None else state.last_speech_end
+            lo, hi = state.first_speech - self.frame_samples, end + self.frame_samples
+        utterance = buf.take(lo, hi, self._max_utterance)
+        self._forget_speech(state)
         state.committed = utterance
         return len(utterance)
 
     def clear(self, state: ParrotState) -> None:
         state.buffer.clear()
+        self._forget_speech(state)
+
+    @staticmethod
+    def _forget_speech(state: ParrotState) -> None:
+        # Speech still going on at a commit starts the next utterance where the buffer now starts.
+        state.first_speech = state.buffer.start if state.in_speech else None
+        state.last_speech_end = None
 
     def respond(self, state: ParrotState) -> None:
         if state.committed is None or len(state.committed) == 0:
@@ -253,7 +274,7 @@ class ParrotModel(StepModel[ParrotState]):
             n: RequestNews | None = None
             if batch.has_input[i]:
                 n = self._listen(st, batch.frames[i], float(probs[i]))
-            if st.reply_pos < len(st.reply):
+            if batch.has_input[i] and st.reply_pos < len(st.reply):
                 chunk = st.reply[st.reply_pos : st.reply_pos + frame_bytes]
                 st.reply_pos += len(chunk)
                 out.req_id.append(batch.req_ids[i])
@@ -281,6 +302,8 @@ class ParrotModel(StepModel[ParrotState]):
             if not st.in_speech:
                 st.in_speech = True
                 st.speech_start = start
+                if st.first_speech is None:
+                    st.first_speech = start
                 return RequestNews(vad=[(SPEECH_STARTED, start)])
             return None
         if not st.in_speech or prob >= opts.threshold - _NEG_MARGIN:
@@ -292,10 +315,12 @@ class ParrotModel(StepModel[ParrotState]):
         end = st.silence_start
         st.in_speech = False
         st.silence_start = None
+        st.last_speech_end = end
         news = RequestNews(vad=[(SPEECH_STOPPED, end)])
         if opts.auto_commit:
             pad = self.frame_samples
             utterance = st.buffer.take(st.speech_start - pad, end + pad, self._max_utterance)
+            self._forget_speech(st)
             st.committed = utterance
             news.turn_ended = True
             news.committed_samples = len(utterance)
