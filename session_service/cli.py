@@ -26,7 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-id", default="", help="owner id towards workers (default: random)")
     p.add_argument("--drain-grace-s", type=float, default=10.0)
     p.add_argument(
-        "--no-silence-continuation", action="store_true", help="do not feed real-time silence during replies (a lockstep model such as parrot then stalls without client audio)"
+        "--no-silence-continuation",
+        action="store_true",
+        help=(
+            "do not feed real-time silence during replies "
+            "(a lockstep model such as parrot then stalls without client audio)"
+        ),
     )
     return p
 
