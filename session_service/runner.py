@@ -442,6 +442,11 @@ class SessionRunner:
         if self.link is not link or self._closed:
             return
         self._bind(None)
+        # The worker's model state went with it: uncommitted input (so no hole to protect) and
+        # any committed utterance. The next submission starts over on a healthy worker.
+        self._input_abandoned = False
+        self._has_committed = False
+        self.state.input_since_commit_samples = 0
         try:
             if self._response is not None:
                 self._finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
@@ -503,7 +508,8 @@ class SessionRunner:
                     self._worker_seq = wseq
         except BaseException:
             res.rollback()
-            self._input_abandoned = True
+            if self.link is link:  # a write lost with its worker leaves no hole: that input is gone too
+                self._input_abandoned = True
             raise
         res.commit()
         self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes

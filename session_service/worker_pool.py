@@ -2,9 +2,12 @@
 
 A link's sender task coalesces every pending submission, abort and release into ONE
 ``WorkerCommand`` per loop iteration (the hop is never one message per frame). Its reader
-hands each ``StepOutput`` to the router. A link that loses its stream tells the router (its
-sessions fail over), then reconnects with backoff. Sessions are placed by rendezvous hashing
-of the session id over the healthy links, so every replica agrees without shared state.
+hands each ``StepOutput`` to the router. A link that loses its stream is unhealthy at once,
+tells the router (its sessions get ``worker_unavailable`` and move on their next submission),
+then reconnects with jittered backoff; the channel's own reconnect backoff is capped the same
+way, so a worker restarted after a long outage is back within ``backoff_max_s`` or so. Sessions
+are placed by rendezvous hashing of the session id over the healthy links (best first, the
+next one when a worker does not answer), so every replica agrees without shared state.
 """
 
 from __future__ import annotations
@@ -21,11 +24,28 @@ import grpc
 from duplex.errors import DuplexError, ErrorCode, UnavailableError, from_rpc_error
 from duplex.serving import CHANNEL_OPTIONS
 from duplex.v1 import worker_pb2, worker_pb2_grpc
-from session_service.hashing import rendezvous_pick
+from session_service.hashing import rendezvous_rank
 from session_service.metrics import WORKER_COMMAND_SIZE, WORKERS_HEALTHY
 from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
 
 log = logging.getLogger(__name__)
+
+#: Attach outcomes that say "this worker did not answer" (try the next one), not "it refused".
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+#: First wait before reconnecting to a lost worker (doubles, jittered, up to ``backoff_max_s``).
+BACKOFF_INITIAL_S = 0.1
+
+
+def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
+    """Worker channel options: gRPC's own reconnect backoff (1 s growing to 120 s by default)
+    would otherwise keep a restarted worker unreachable long after our backoff retries it."""
+    return [
+        *CHANNEL_OPTIONS,
+        ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+        ("grpc.min_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+        ("grpc.max_reconnect_backoff_ms", max(int(backoff_max_s * 1000), 200)),
+    ]
 
 
 @dataclass(slots=True)
@@ -64,10 +84,13 @@ class WorkerLink:
         self._on_lost = on_lost
         self._on_health = on_health
         self._backoff_max_s = backoff_max_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options(backoff_max_s))
         self._stub = worker_pb2_grpc.DuplexWorkerStub(self._channel)
         self.description: worker_pb2.WorkerDescription | None = None
         self._healthy = False
+        self.generation = 0
+        """Counts Run streams opened: a session attached under one generation is not attached
+        to the (possibly restarted) worker behind a later one."""
         self._pending = _Pending.empty()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -127,14 +150,14 @@ class WorkerLink:
     # ---- the stream ------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        backoff = 0.1
+        backoff = BACKOFF_INITIAL_S
         while not self._stopping:
+            opened = self.generation
             try:
                 desc = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0)
                 check_worker(self._plugin, desc)
                 self.description = desc
                 await self._serve_stream()
-                backoff = 0.1  # the stream ran: a fresh failure starts the backoff over
             except asyncio.CancelledError:
                 raise
             except PluginLoadError as err:
@@ -145,6 +168,8 @@ class WorkerLink:
                 log.exception("worker %s: link failed", self.address)
             finally:
                 self._lose()
+            if self.generation != opened:
+                backoff = BACKOFF_INITIAL_S  # the stream ran: a fresh failure starts over
             # Jittered exponential backoff: a restarting worker is not stampeded by every replica.
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(self._backoff_max_s, backoff * 2)
@@ -152,6 +177,7 @@ class WorkerLink:
     async def _serve_stream(self) -> None:
         call = self._stub.Run()
         await call.write(worker_pb2.WorkerCommand(owner=self.owner))
+        self.generation += 1
         self._healthy = True
         self._on_health()
         log.info(
@@ -172,6 +198,8 @@ class WorkerLink:
                 if sender.done():
                     sender.result()  # re-raise the sender's failure
         finally:
+            # Unhealthy before any await: nothing may be placed on, or submitted to, a dead stream.
+            self._lose()
             sender.cancel()
             with contextlib.suppress(BaseException):
                 await sender
@@ -276,21 +304,55 @@ class WorkerPool:
         for listener in self.health_listeners:
             listener(n > 0)
 
+    def rank(self, session_id: str) -> list[WorkerLink]:
+        """The healthy links in the session's rendezvous order (best first)."""
+        healthy = {link.address: link for link in self.healthy()}
+        return [healthy[addr] for addr in rendezvous_rank(session_id, healthy)]
+
     def pick(self, session_id: str) -> WorkerLink:
-        addr = rendezvous_pick(session_id, (link.address for link in self.healthy()))
-        if addr is None:
+        ranked = self.rank(session_id)
+        if not ranked:
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "no worker of the model is reachable")
-        return self.links[addr]
+        return ranked[0]
 
     async def place(self, session_id: str, epoch: int, takeover: bool) -> tuple[WorkerLink, int]:
-        """Pick the session's worker and attach it there; returns the link and the granted epoch."""
-        link = self.pick(session_id)
-        try:
-            granted = await link.attach(
-                session_id, epoch, takeover=takeover, deadline_s=self._attach_timeout_s
-            )
-        except DuplexError as err:
-            if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
-                raise
-            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"attach failed: {err.message}") from err
-        return link, granted
+        """Attach the session on its rendezvous choice among the healthy workers; returns the
+        link and the granted epoch.
+
+        A worker that does not answer the Attach (gone, or its stream lost meanwhile) is skipped
+        for the next one in rendezvous order; a fencing refusal is final. The link returned is
+        healthy and on the same Run stream the Attach was made under, so the session's first
+        submission reaches the worker that holds its attachment.
+        """
+        tried: set[str] = set()
+        last: DuplexError | None = None
+        while True:
+            ranked = [link for link in self.rank(session_id) if link.address not in tried]
+            if not ranked:
+                if last is None:
+                    raise UnavailableError(
+                        ErrorCode.WORKER_UNAVAILABLE, "no worker of the model is reachable"
+                    )
+                raise UnavailableError(
+                    ErrorCode.WORKER_UNAVAILABLE, f"no worker could take the session: {last.message}"
+                ) from last
+            link = ranked[0]
+            tried.add(link.address)
+            generation = link.generation
+            try:
+                granted = await link.attach(
+                    session_id, epoch, takeover=takeover, deadline_s=self._attach_timeout_s
+                )
+            except DuplexError as err:
+                if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
+                    raise
+                if err.status not in _UNREACHABLE:
+                    raise UnavailableError(
+                        ErrorCode.WORKER_UNAVAILABLE, f"attach failed: {err.message}"
+                    ) from err
+                log.warning("session %s: attach to %s failed: %s", session_id, link.address, err.message)
+                last = err
+                continue
+            if link.healthy and link.generation == generation:
+                return link, granted
+            last = UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"worker {link.address} went away")

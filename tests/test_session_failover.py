@@ -1,0 +1,596 @@
+"""Losing a worker and getting it back, with real processes: one session service, two parrot workers.
+
+- ``kill -9`` of one worker fails exactly its sessions (``worker_unavailable``, retryable; an active
+  response ends FAILED) and nothing else: the other worker's sessions finish their turns with the
+  right content, and no session ever hears another's audio.
+- A session whose worker died goes on with its next turn on a healthy worker (its model state,
+  e.g. the VAD state and any uncommitted input, is lost with the worker; the session is not).
+- Placement is rendezvous over the HEALTHY workers only; health stays SERVING while one worker is
+  reachable, goes NOT_SERVING without any, and comes back when a worker is restarted on its old
+  address (the link reconnects with backoff), after which old and new sessions use it.
+
+In process (races a real kill can hit but a test cannot time): placement skips a worker that
+does not answer its Attach or whose stream changed meanwhile, and never goes around a fencing
+refusal; a session whose worker died with an append in flight goes on elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from duplex.audio import PCM16K_MONO, decode, encode
+from duplex.errors import BadRequestError, DuplexError, ErrorCode, FencedError, UnavailableError
+from duplex.serving import split_host_port
+from duplex.v1 import session_pb2, worker_pb2
+from session_service.config import RunnerConfig
+from session_service.hashing import rendezvous_pick, rendezvous_rank
+from session_service.plugins.parrot import ParrotPlugin
+from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
+from session_service.worker_pool import WorkerLink, WorkerPool
+from tests.procs import ServiceProcess, start_service
+from tests.session_helpers import (
+    Conversation,
+    metric_value,
+    metrics_text,
+    open_event,
+    session_args,
+    similarity,
+    speech,
+    to_16k,
+    utterance_pcm,
+    wait_metric,
+)
+from worker_service.models.parrot import parrot_reply
+
+#: Every session asks for a non-default pitch: a session moved to another worker must carry its
+#: model options there (the worker default, 4 semitones, would give a recognisably wrong reply).
+PITCH = -3.0
+FRAME = 512
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+WORKERS_HEALTHY = "duplex_session_workers_healthy"
+
+
+def worker_args(port: int = 0) -> list[str]:
+    return [
+        "worker",
+        "--model",
+        "parrot",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--metrics-port",
+        "0",
+        "--device",
+        "cpu",
+        "--torch-threads",
+        "1",
+    ]
+
+
+@dataclass
+class Stack:
+    """Two workers and a session service; every process ever started is stopped by its pid."""
+
+    workers: list[ServiceProcess]
+    session: ServiceProcess
+    started: list[ServiceProcess] = field(default_factory=list)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [w.grpc for w in self.workers]
+
+    def kill(self, i: int) -> None:
+        """SIGKILL worker ``i``: no drain, no goodbye, its streams just break."""
+        proc = self.workers[i].proc
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def restart(self, i: int) -> ServiceProcess:
+        """A fresh worker process on worker ``i``'s old address."""
+        _, port = split_host_port(self.workers[i].grpc)
+        w = start_service(worker_args(port))
+        self.started.append(w)
+        assert w.grpc == self.workers[i].grpc
+        self.workers[i] = w
+        return w
+
+
+@pytest.fixture
+def stack() -> Iterator[Stack]:
+    started: list[ServiceProcess] = []  # every process, restarted workers included
+    session: ServiceProcess | None = None
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(start_service, worker_args()) for _ in range(2)]
+            errors = []
+            for f in futures:
+                try:
+                    started.append(f.result())
+                except Exception as exc:  # keep the ones that started, to stop them
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        workers = list(started)
+        session = start_service(session_args([w.grpc for w in workers], "--idle-timeout-s", "60"))
+        wait_metric(session.metrics, WORKERS_HEALTHY, 2.0, timeout=20)
+        yield Stack(workers, session, started)
+    finally:
+        # The session service first (it drains), then every worker.
+        for proc in [session, *started]:
+            if proc is not None:
+                proc.terminate(timeout=10)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+async def health(address: str) -> int:
+    """The session service's health, the same for the server ("") and the session service."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        got = {
+            (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
+            for name in ("", "duplex.v1.DuplexSession")
+        }
+    assert len(got) == 1, got
+    status: int = got.pop()
+    return status
+
+
+async def wait_health(address: str, want: int, *, within: float) -> None:
+    deadline = time.monotonic() + within
+    while (got := await health(address)) != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"health is {got}, want {want} after {within}s")
+        await asyncio.sleep(0.05)
+
+
+async def wait_healthy_workers(metrics: str, n: float, *, within: float) -> None:
+    await asyncio.to_thread(wait_metric, metrics, WORKERS_HEALTHY, n, timeout=within)
+
+
+def placed(stack: Stack, worker: int) -> float:
+    text = metrics_text(stack.session.metrics)
+    return metric_value(text, "duplex_session_worker_sessions", f'worker="{stack.addresses[worker]}"') or 0.0
+
+
+def open_session() -> session_pb2.ClientEvent:
+    return open_event(extra_body={"pitch_semitones": PITCH})
+
+
+def close(conv: Conversation) -> None:
+    conv.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+
+
+@dataclass
+class Turn:
+    """One utterance a session spoke, from where it began in the session's event list."""
+
+    conv: Conversation
+    voice: np.ndarray
+    start: int
+    phase: int
+    """Where the utterance sits in the worker's frame grid (samples sent before it, mod a frame)."""
+    pcm: bytes
+
+    @classmethod
+    async def speak(cls, conv: Conversation, voice: np.ndarray, *, speedup: float = 4.0) -> Turn:
+        pcm = utterance_pcm(voice, PCM16K_MONO)
+        turn = cls(conv, voice, len(conv.events), -(conv.sent_bytes // 2) % FRAME, pcm)
+        await conv.stream(pcm, PCM16K_MONO, speedup=speedup)
+        return turn
+
+    def events(self, kind: str) -> list[session_pb2.ServerEvent]:
+        return [e for e in self.conv.events[self.start :] if e.WhichOneof("event") == kind]
+
+    async def done(self, within: float = 20) -> session_pb2.ResponseDone:
+        ev = await self.conv.wait_kind("response_done", start=self.start, within=within)
+        return ev.response_done
+
+    def reply(self, response_id: str) -> np.ndarray:
+        pcm = b"".join(
+            e.audio_delta.pcm for e in self.events("audio_delta") if e.audio_delta.response_id == response_id
+        )
+        return to_16k(pcm, PCM16K_MONO)
+
+    def expected(self, got: np.ndarray) -> np.ndarray:
+        """parrot_reply of the frame-aligned committed span of this utterance that best explains
+        ``got`` (the worker cuts the span on its frame grid, padded by a frame each side)."""
+        committed = self.events("committed")[-1].committed
+        n = round(committed.audio_ms * 16 / FRAME) * FRAME
+        heard = decode(self.pcm, PCM16K_MONO)[:, 0]
+        best, best_score = parrot_reply(heard[:n], PITCH), -1.0
+        for a in range(self.phase, min(len(heard) - n, 14 * FRAME) + 1, FRAME):
+            cand = to_16k(encode(parrot_reply(heard[a : a + n], PITCH), PCM16K_MONO), PCM16K_MONO)
+            score = similarity(got, cand[: len(got)])
+            if score > best_score:
+                best, best_score = cand, score
+        return best
+
+
+def prefix_similarity(got: np.ndarray, expected: np.ndarray) -> float:
+    """How well ``got`` matches the start of ``expected`` (a reply cut short is a prefix of it)."""
+    return similarity(got, expected[: len(got)])
+
+
+def assert_own_content(turns: list[Turn], got: list[np.ndarray], *, prefix: bool = False) -> None:
+    """Each reply matches its own utterance's expected reply, clearly better than anyone else's."""
+    expected = [t.expected(g) for t, g in zip(turns, got, strict=True)]
+    score = prefix_similarity if prefix else similarity
+    for i, g in enumerate(got):
+        scores = [score(g, e) for e in expected]
+        own = scores[i]
+        others = max((s for j, s in enumerate(scores) if j != i), default=0.0)
+        assert own > 0.8 and own > others + 0.3, (i, own, others)
+
+
+def assert_only_own_audio(conv: Conversation) -> None:
+    """Every audio delta belongs to a response this session started, in the session's epoch."""
+    own = {e.response_started.response_id: e.response_started.epoch for e in conv.of("response_started")}
+    for e in conv.of("audio_delta"):
+        assert own.get(e.audio_delta.response_id) == e.audio_delta.epoch, e.audio_delta.response_id
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.process
+async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+        # Open sessions until each worker holds at least two (rendezvous over both workers).
+        convs: list[Conversation] = []
+        on: dict[int, list[Conversation]] = {0: [], 1: []}
+        while min(len(v) for v in on.values()) < 2:
+            assert len(convs) < 24, "rendezvous placement never used one of the workers"
+            conv = Conversation(ch).start(open_session())
+            sid = (await conv.wait_kind("opened")).opened.session_id
+            convs.append(conv)
+            on[stack.addresses.index(rendezvous_pick(sid, stack.addresses) or "")].append(conv)
+        assert (placed(stack, 0), placed(stack, 1)) == (len(on[0]), len(on[1]))
+        victims, survivors = on[0], on[1]
+        talking_victims, talking_survivors = victims[:2], survivors[:2]
+
+        # Victims say something long (their replies run ~3 s at the input's pace), survivors
+        # something short; kill worker 0 once every talking victim is mid-reply.
+        long_voices = [np.concatenate([speech(i), speech(i + 1), speech(i + 2)]) for i in (0, 3)]
+        short_voices = [speech(8), speech(9)]
+        survivor_turns = asyncio.gather(
+            *(Turn.speak(c, v) for c, v in zip(talking_survivors, short_voices, strict=True))
+        )
+        victim_turns = await asyncio.gather(
+            *(Turn.speak(c, v) for c, v in zip(talking_victims, long_voices, strict=True))
+        )
+        for c in talking_victims:
+            await c.wait_kind("audio_delta", within=15)
+        replying = [not c.of("response_done") for c in talking_victims]
+        stack.kill(0)
+        t_kill = time.monotonic()
+        assert any(replying), "no victim was mid-reply when its worker died"
+
+        # Every session of the dead worker is told, retryably, promptly.
+        for c in victims:
+            err = (await c.wait_kind("error", within=5)).error
+            assert err.code == "worker_unavailable" and err.retryable, err
+        assert time.monotonic() - t_kill < 5
+        for c, was_replying in zip(talking_victims, replying, strict=True):
+            if was_replying:
+                done = c.of("response_done")[-1].response_done
+                assert done.status == session_pb2.RESPONSE_STATUS_FAILED, done
+                assert done.reason == "worker_unavailable", done
+                i_err = c.kinds().index("error")
+                assert c.kinds().index("response_done") < i_err
+                assert "audio_delta" not in c.kinds()[i_err:], "audio after the worker was lost"
+        # The health and the healthy-worker count reflect one worker left, still SERVING.
+        await wait_healthy_workers(stack.session.metrics, 1.0, within=5)
+        assert await health(stack.session.grpc) == SERVING
+
+        # Survivors were not disturbed: full, correct replies, no errors.
+        s_turns = await survivor_turns
+        s_done = [await t.done() for t in s_turns]
+        assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in s_done), s_done
+        s_got = [t.reply(d.response_id) for t, d in zip(s_turns, s_done, strict=True)]
+        assert_own_content(s_turns, s_got)
+        for c in survivors:
+            assert c.of("error") == [], c.of("error")
+
+        # What a victim heard before the kill is the start of its OWN reply.
+        v_got = [t.reply(t.events("response_started")[0].response_started.response_id) for t in victim_turns]
+        assert all(len(g) > 0 for g in v_got)
+        assert_own_content(victim_turns, v_got, prefix=True)
+
+        # The victims go on: their next turn is placed on the surviving worker and gets a full,
+        # correct reply (the dead worker's model state is gone; the session is not).
+        await asyncio.sleep(0.2)  # let any tail of the killed turn settle
+        again = await asyncio.gather(*(Turn.speak(c, speech(10 + k)) for k, c in enumerate(talking_victims)))
+        a_done = [await t.done() for t in again]
+        assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in a_done), a_done
+        assert_own_content(again, [t.reply(d.response_id) for t, d in zip(again, a_done, strict=True)])
+        # Only sessions that submitted since are placed again (idle ones move on their next event).
+        assert (placed(stack, 0), placed(stack, 1)) == (0, len(survivors) + len(talking_victims))
+        for c in convs:
+            assert_only_own_audio(c)
+            assert "closed" not in c.kinds()
+            close(c)
+        await asyncio.gather(*(c.wait_done() for c in convs))
+    text = metrics_text(stack.session.metrics)
+    lost = metric_value(text, "duplex_session_errors_total", 'code="worker_unavailable"')
+    assert (lost or 0) >= len(victims)
+
+
+@pytest.mark.process
+async def test_placement_health_and_reconnect_after_worker_loss(stack: Stack) -> None:
+    dead, alive = 0, 1
+    stack.kill(dead)
+    await wait_healthy_workers(stack.session.metrics, 1.0, within=5)
+    assert await health(stack.session.grpc) == SERVING
+    both = list(stack.addresses)
+    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+        # New sessions go only to the surviving worker, including ones whose first choice is dead.
+        convs: list[Conversation] = []
+        homeless: list[Conversation] = []
+        while len(convs) < 3 or not homeless:
+            assert len(convs) < 16, "no session id ever preferred the dead worker"
+            conv = Conversation(ch).start(open_session())
+            sid = (await conv.wait_kind("opened")).opened.session_id
+            convs.append(conv)
+            if rendezvous_pick(sid, both) == both[dead]:
+                homeless.append(conv)
+        assert (placed(stack, dead), placed(stack, alive)) == (0, len(convs))
+        talkers = [homeless[0], next(c for c in convs if c is not homeless[0])]
+        turns = await asyncio.gather(*(Turn.speak(c, speech(k)) for k, c in enumerate(talkers)))
+        done = [await t.done() for t in turns]
+        assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in done), done
+        assert_own_content(turns, [t.reply(d.response_id) for t, d in zip(turns, done, strict=True)])
+
+        # Both workers gone: NOT_SERVING, sessions told, new opens refused (retryable).
+        stack.kill(alive)
+        await wait_health(stack.session.grpc, NOT_SERVING, within=5)
+        for c in convs:
+            err = (await c.wait_kind("error", within=5)).error
+            assert err.code == "worker_unavailable" and err.retryable
+        refused = Conversation(ch).start(open_session())
+        await refused.wait_done()
+        assert refused.status == grpc.StatusCode.UNAVAILABLE and refused.error is not None
+        assert refused.error.code == "worker_unavailable" and refused.error.retryable, refused.error
+        # A session with no worker to go to gets a clear, retryable error and stays open.
+        survivor = talkers[0]
+        survivor.seq += 1
+        n_errors = len(survivor.of("error"))
+        survivor.send(
+            session_pb2.ClientEvent(
+                event_id="orphan",
+                append=session_pb2.InputAudioAppend(seq=survivor.seq, pcm=b"\x00" * 2 * FRAME),
+            )
+        )
+        err = (await survivor.wait_for(lambda e: e.HasField("error") and e.error.event_id == "orphan")).error
+        assert err.code == "worker_unavailable" and err.retryable, err
+        assert len(survivor.of("error")) == n_errors + 1 and "closed" not in survivor.kinds()
+
+        # A worker restarted on its old address: the link reconnects (with backoff), SERVING again.
+        await asyncio.to_thread(stack.restart, dead)
+        await wait_health(stack.session.grpc, SERVING, within=15)
+        await wait_healthy_workers(stack.session.metrics, 1.0, within=5)
+        # New sessions use it, and so does the old session whose worker died (its next turn).
+        fresh = Conversation(ch).start(open_session())
+        await fresh.wait_kind("opened")
+        back = list(await asyncio.gather(Turn.speak(fresh, speech(6)), Turn.speak(survivor, speech(7))))
+        done = [await t.done() for t in back]
+        assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in done), done
+        assert_own_content(back, [t.reply(d.response_id) for t, d in zip(back, done, strict=True)])
+        assert placed(stack, dead) == 2
+        for c in [*convs, fresh]:
+            assert_only_own_audio(c)
+            close(c)
+        await asyncio.gather(*(c.wait_done() for c in [*convs, fresh]))
+
+
+# ---- placement, in process (the races a real kill can hit but a test cannot time) ------------
+
+
+def _pool(n: int) -> WorkerPool:
+    """A pool of ``n`` healthy links whose Attach is replaced per test (nothing is dialled)."""
+    pool = WorkerPool(
+        [f"127.0.0.1:{5000 + i}" for i in range(n)],
+        owner="replica-a",
+        plugin=ParrotPlugin(),
+        on_step=lambda _link, _step: None,
+        on_lost=lambda _link: None,
+    )
+    for link in pool.links.values():
+        link._healthy = True
+    return pool
+
+
+Outcome = Callable[[WorkerLink], "int | DuplexError"]
+
+
+def _unreachable(status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> DuplexError:
+    err = UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "connection refused")
+    err.status = status
+    return err
+
+
+async def _place_with(
+    pool: WorkerPool, outcome: Outcome
+) -> tuple[list[str], tuple[WorkerLink, int] | DuplexError]:
+    """``pool.place`` with each link's Attach answering ``outcome(link)``; the links tried, in order."""
+    calls: list[str] = []
+
+    def fake(link: WorkerLink) -> Callable[..., Awaitable[int]]:
+        async def attach(session_id: str, epoch: int, *, takeover: bool, deadline_s: float) -> int:
+            calls.append(link.address)
+            got = outcome(link)
+            if isinstance(got, DuplexError):
+                raise got
+            return got
+
+        return attach
+
+    for link in pool.links.values():
+        link.attach = fake(link)  # type: ignore[method-assign,assignment]
+    try:
+        return calls, await pool.place("sess_x", 3, False)
+    except DuplexError as err:
+        return calls, err
+    finally:
+        await pool.close()
+
+
+async def test_place_uses_the_rendezvous_choice_among_healthy_workers() -> None:
+    pool = _pool(3)
+    ranked = rendezvous_rank("sess_x", pool.links)
+    pool.links[ranked[0]]._healthy = False
+    calls, got = await _place_with(pool, lambda link: 3)
+    assert calls == [ranked[1]]
+    assert not isinstance(got, DuplexError) and (got[0].address, got[1]) == (ranked[1], 3)
+
+
+@pytest.mark.parametrize("status", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])
+async def test_place_skips_a_worker_that_does_not_answer(status: grpc.StatusCode) -> None:
+    pool = _pool(3)
+    ranked = rendezvous_rank("sess_x", pool.links)
+    calls, got = await _place_with(
+        pool, lambda link: _unreachable(status) if link.address == ranked[0] else 4
+    )
+    assert calls == ranked[:2]
+    assert not isinstance(got, DuplexError) and (got[0].address, got[1]) == (ranked[1], 4)
+
+
+async def test_place_fails_retryably_when_no_worker_answers() -> None:
+    calls, got = await _place_with(_pool(2), lambda link: _unreachable())
+    assert len(calls) == 2 and isinstance(got, DuplexError)
+    assert got.code == "worker_unavailable" and got.retryable
+    calls, got = await _place_with(_pool(0), lambda link: 1)
+    assert calls == [] and isinstance(got, DuplexError) and got.code == "worker_unavailable"
+
+
+@pytest.mark.parametrize(
+    ("err", "code"),
+    [
+        (FencedError(ErrorCode.NOT_OWNER, "another owner"), "not_owner"),
+        (FencedError(ErrorCode.STALE_EPOCH, "stale"), "stale_epoch"),
+        (BadRequestError(ErrorCode.INVALID_EVENT, "bad"), "worker_unavailable"),
+    ],
+)
+async def test_place_does_not_go_around_a_refusal(err: DuplexError, code: str) -> None:
+    calls, got = await _place_with(_pool(2), lambda link: err)
+    assert len(calls) == 1 and isinstance(got, DuplexError) and got.code == code, (calls, got)
+
+
+async def test_place_never_returns_a_link_whose_stream_changed_during_attach() -> None:
+    # The Run stream was lost (and maybe reopened to a restarted worker) while the Attach was in
+    # flight: the attachment may be gone with it, and the session's runner would never hear of
+    # the loss (it is not registered yet), so the next worker is used.
+    pool = _pool(2)
+    ranked = rendezvous_rank("sess_x", pool.links)
+
+    def outcome(link: WorkerLink) -> int:
+        if link.address == ranked[0]:
+            link.generation += 1
+        return 5
+
+    calls, got = await _place_with(pool, outcome)
+    assert calls == ranked
+    assert not isinstance(got, DuplexError) and got[0].address == ranked[1]
+
+
+# ---- a session whose worker died mid-write, in process --------------------------------------
+
+
+class _Link:
+    """A worker link for one runner: writes stay in flight until the test resolves them."""
+
+    def __init__(self, address: str, *, hold: bool) -> None:
+        self.address = address
+        self.healthy = True
+        self.hold = hold
+        self.subs: list[worker_pb2.Submission] = []
+        self.in_flight: list[asyncio.Future[None]] = []
+
+    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.subs.extend(subs)
+        if self.hold:
+            self.in_flight.append(fut)
+        else:
+            fut.set_result(None)
+        return fut
+
+    def abort(self, abort: worker_pb2.Abort) -> None:
+        pass
+
+    def release(self, release: worker_pb2.Release) -> None:
+        pass
+
+    def die(self) -> None:
+        """What ``WorkerLink._lose`` does: fail the writes in flight, then tell the sessions."""
+        self.healthy = False
+        for fut in self.in_flight:
+            fut.set_exception(ConnectionError(f"worker {self.address} went away"))
+
+
+def _append(seq: int) -> session_pb2.ClientEvent:
+    pcm = b"\x10\x00" * FRAME
+    return session_pb2.ClientEvent(event_id=f"a{seq}", append=session_pb2.InputAudioAppend(seq=seq, pcm=pcm))
+
+
+async def _settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def test_input_goes_on_elsewhere_after_the_worker_died_mid_write() -> None:
+    plugin = ParrotPlugin()
+    dead, healthy = _Link("a:1", hold=True), _Link("b:1", hold=False)
+
+    async def placer(session_id: str, epoch: int, takeover: bool) -> tuple[WorkerHandle, int]:
+        return healthy, epoch
+
+    runner = SessionRunner(
+        session_id="sess_mid_write",
+        settings=plugin.default_settings(),
+        runtime_config={"pitch_semitones": PITCH, "silence_ms": None},
+        link=dead,
+        epoch=1,
+        resume_token="tok",
+        deps=RunnerDeps(
+            plugin=plugin,
+            capabilities=plugin.capabilities(max_sessions=4),
+            config=RunnerConfig(),
+            placer=placer,
+        ),
+    )
+    runner.start()
+    try:
+        await runner.post(_append(1))
+        await _settle()
+        assert dead.in_flight, "the append was not written"
+        dead.die()
+        runner.on_worker_lost(dead)
+        await _settle()
+        await runner.post(_append(2))
+        await _settle()
+        events = []
+        while len(runner.outbound):
+            events.append(runner.outbound._items.popleft().event)
+        errors = [(e.error.code, e.error.event_id) for e in events if e.HasField("error")]
+        # Told once that the worker is gone (and which append was lost with it) ...
+        assert ("worker_unavailable", "") in errors
+        assert all(code == "worker_unavailable" for code, _ in errors), errors
+        # ... and the next append goes to the healthy worker, with the session's model options.
+        assert [e.input_ack.seq for e in events if e.HasField("input_ack")] == [2]
+        assert [s.seq for s in healthy.subs] and healthy.subs[0].params["pitch_semitones"] == PITCH
+    finally:
+        runner.close("test")
+        await runner.wait_closed()
