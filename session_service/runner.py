@@ -448,6 +448,10 @@ class SessionRunner:
         self._has_committed = False
         self.state.input_since_commit_samples = 0
         try:
+            if self._speech_open:
+                # The VAD that heard the speech is gone: close the span so events stay paired.
+                self._speech_open = False
+                self._emit("speech_stopped", session_pb2.SpeechStopped(audio_ms=0))
             if self._response is not None:
                 self._finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
             self._error(UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the session's worker went away"))

@@ -266,6 +266,31 @@ async def test_vad_speech_during_response_barges_in() -> None:
     assert evs[2].speech_started.audio_ms == 1000
 
 
+async def test_speech_in_input_queued_before_the_response_does_not_barge_in() -> None:
+    """A fast client commits while the worker still hears its pre-commit audio: that speech
+    carries the old turn's fence and is the turn being answered, not an interruption."""
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    assert r.turn_id == 1
+    started = worker_pb2.VadEvent(kind=worker_pb2.VadEvent.KIND_SPEECH_STARTED, sample_offset=0)
+    r.on_output(
+        Fence(SID, 1, 1).to_proto(), common_pb2.AudioPayload(pcm=FRAME), [step_update(1, 0, vad=[started])]
+    )
+    evs = drain(r)
+    assert kinds(evs) == ["committed", "response_started", "speech_started", "audio_delta"]
+    assert r.epoch == 1
+
+
+async def test_worker_loss_mid_speech_closes_the_speech_span() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    started = worker_pb2.VadEvent(kind=worker_pb2.VadEvent.KIND_SPEECH_STARTED, sample_offset=0)
+    r.on_output(None, None, [step_update(1, 0, vad=[started])])
+    r.on_worker_lost(link)  # type: ignore[arg-type]
+    assert kinds(drain(r)) == ["speech_started", "speech_stopped", "error"]
+
+
 async def test_stale_outputs_are_dropped() -> None:
     link = FakeLink()
     r = make_runner(link)
