@@ -448,6 +448,10 @@ class DuplexModelPlugin(ABC):
     """One sampling parameter object per stage; configured values must keep each type."""
     max_append_bytes: int = 256 * 1024
     """Largest client append chunk."""
+    silence_continuation: bool = False
+    """The model is lockstep (clocked by input frames, e.g. parrot): while a response is active
+    and the client sends no audio, the runner feeds silence at real-time deadlines so the turn
+    goes on. Free-running models leave it off."""
 
     # ---- session policy ----
 

@@ -122,9 +122,14 @@ _MailItem = _Inbound | _Silence | _Shutdown
 
 
 def settings_from_proto(
-    cfg: session_pb2.SessionConfig, base: SessionSettings | None, *, require_input: bool
+    cfg: session_pb2.SessionConfig,
+    base: SessionSettings | None,
+    *,
+    require_input: bool,
+    default_turn: TurnDetection | None = None,
 ) -> SessionSettings:
-    """Domain settings from a wire config; unset fields keep ``base``. Raises BadEventError."""
+    """Domain settings from a wire config; unset fields keep ``base`` (or, for a new session,
+    ``default_turn``: the plugin's turn detection defaults). Raises BadEventError."""
     if cfg.HasField("input_format"):
         input_format = PcmFormat.from_proto(cfg.input_format)
     elif base is not None and not require_input:
@@ -142,7 +147,7 @@ def settings_from_proto(
         td = cfg.turn_detection
         turn = TurnDetection(auto_respond=td.auto_respond, silence_ms=td.silence_ms, barge_in=td.barge_in)
     else:
-        turn = base.turn_detection if base is not None else TurnDetection()
+        turn = base.turn_detection if base is not None else (default_turn or TurnDetection())
     for m in cfg.modalities:
         if m not in ("audio", "text"):
             raise BadEventError(ErrorCode.INVALID_CONFIG, f"unknown modality {m!r}")
@@ -671,7 +676,11 @@ class SessionRunner:
         fut.add_done_callback(lambda f: self._on_respond_written(resp, f))
         # A lockstep model advances its reply one frame per input frame: without client audio the
         # turn would stall, so silence is fed at real-time deadlines while the response is active.
-        if self._cfg.silence_continuation and self._cfg.max_silence_frames > 0:
+        if (
+            self._plugin.silence_continuation
+            and self._cfg.silence_continuation
+            and self._cfg.max_silence_frames > 0
+        ):
             resp.silence_task = asyncio.create_task(self._silence_loop(resp))
 
     def _on_respond_written(self, resp: ActiveResponse, fut: asyncio.Future[None]) -> None:

@@ -83,7 +83,16 @@ class SessionManager:
         self._opening += 1
         try:
             try:
-                settings = settings_from_proto(msg.config, None, require_input=True)
+                defaults = self._plugin.default_settings()
+                settings = settings_from_proto(
+                    msg.config, None, require_input=True, default_turn=defaults.turn_detection
+                )
+                if settings.turn_detection.auto_respond and not self.capabilities.turn_detection:
+                    raise BadRequestError(
+                        ErrorCode.INVALID_CONFIG,
+                        f"{self._plugin.plugin_id!r} has no server turn detection: "
+                        "set turn_detection.auto_respond=false and commit yourself",
+                    )
                 extra = struct_to_dict(msg.extra_body)
                 model = extra.pop("model", None)
                 if model is not None and model != self._plugin.plugin_id:

@@ -43,6 +43,8 @@ class ParrotPlugin(DuplexModelPlugin):
     frame_samples = 512
     sampling_defaults: tuple[object, ...] = (ParrotSampling(),)
     max_append_bytes = 256 * 1024
+    # The parrot worker model is lockstep: one reply frame per input frame.
+    silence_continuation = True
 
     def __init__(self) -> None:
         self.data_plane = PcmDataPlane()

@@ -1,0 +1,468 @@
+"""How close the whole serving path is to the model alone (product promise #2).
+
+    .venv/bin/python -m benchmarks.e2e_bench [--models synthetic,parrot] [--batches 1,16,64]
+                                             [--seconds 3] [--device auto]
+
+For each model and batch size B it measures, one run each:
+
+(a) **model alone**: the worker engine in-process (as ``benchmarks.worker_bench`` drives it), B
+    requests that each always have input queued and are always replying: each step consumes
+    one input frame and emits one reply frame per request. Input frames/s = steps/s x B;
+    reply frames/s = reply payloads the engine hands out per second.
+(b) **full path**: real processes -- one ``duplex worker`` and one ``duplex session`` with the
+    model's plugin -- driven by B concurrent ``DuplexClient`` sessions in this process. Each
+    session appends one worker frame (512 samples, 1 KiB) per ``append`` as fast as its
+    ``input_ack`` window allows and every ``--cycle`` frames, once its previous response is
+    done, commits and creates a response (manual turns, no server turn detection); the
+    sessions' turns are staggered so they are not in phase. Input frames/s counts acknowledged
+    frames; reply frames/s counts ``audio_delta`` audio received.
+
+Both use the same turn shape: a reply of about ``--cycle`` frames to every ``--cycle`` input
+frames (synthetic: ``reply_frames=cycle, emit_every=1``; parrot: its reply is the committed
+input, advanced one frame per input frame). The table gives the full path as a fraction of the
+model alone at the same B, how many times real time (31.25 frames/s) each session was served,
+how evenly, and where the CPU went.
+
+The numbers are one run on whatever machine this is -- client, session service and worker
+share its cores in (b), while (a) has them to itself -- so they are ratios to read, never
+thresholds to assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from duplex.client import DuplexClient, Session, event_kind, turn_detection
+from duplex.stack import LocalStack
+from worker_service.engine import (
+    APPEND,
+    COMMIT,
+    RESPOND,
+    Engine,
+    Enqueue,
+    FenceToken,
+    OwnerStep,
+    QueueCounter,
+    Work,
+)
+from worker_service.model import StepModel
+from worker_service.models import create_model
+from worker_service.server import resolve_device
+
+FRAME = 512
+FRAME_BYTES = FRAME * 2  # s16le mono at 16 kHz: the worker format of both models
+FRAMES_PER_S = 16000 / FRAME  # real time: 31.25 frames/s
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What one model needs on both paths."""
+
+    name: str
+    plugin: str
+    construct: dict[str, object]
+    """Model construction options (engine options in-process, CLI flags for the worker)."""
+    worker_flags: tuple[str, ...]
+    session_flags: tuple[str, ...]
+    session_extra: Callable[[int], dict[str, object]]
+    """``extra_body`` of each session's open, given the cycle length."""
+    alone_params: Callable[[int], dict[str, object]]
+    """Submission params for the in-process requests, given the cycle length."""
+
+
+def _synthetic(hidden: int, layers: int) -> ModelSpec:
+    return ModelSpec(
+        name="synthetic",
+        plugin="session_service.plugins.synthetic:SyntheticPlugin",
+        construct={"hidden_size": hidden, "layers": layers},
+        worker_flags=("--hidden-size", str(hidden), "--layers", str(layers)),
+        session_flags=(),
+        session_extra=lambda cycle: {"reply_frames": cycle, "emit_every": 1},
+        alone_params=lambda cycle: {"reply_frames": cycle, "emit_every": 1},
+    )
+
+
+PARROT = ModelSpec(
+    name="parrot",
+    plugin="session_service.plugins.parrot:ParrotPlugin",
+    construct={},
+    worker_flags=(),
+    # The parrot is lockstep: while a turn-taking client waits for the end of a reply, the
+    # session would feed real-time silence into it, and that clock -- not the serving path --
+    # would set the pace. Without it, each reply is played out by the next turn's input.
+    session_flags=("--no-silence-continuation",),
+    session_extra=lambda cycle: {},
+    # Manual turns on both paths (the session sends auto_commit=false for auto_respond=false).
+    alone_params=lambda cycle: {"auto_commit": False},
+)
+
+
+@dataclass
+class Rates:
+    input_fps: float
+    """Input frames/s: consumed (model alone) or acknowledged (full path)."""
+    reply_fps: float
+    """Reply frames/s: emitted (model alone) or received as ``audio_delta`` (full path)."""
+    min_share: float = 1.0
+    """Full path: the slowest session's input rate over the mean (1.0 = all equal)."""
+    cpu: tuple[float | None, ...] = ()
+    """Full path: cores used by the client (this process), the session service, the worker."""
+    errors: int = 0
+    error_codes: set[str] = field(default_factory=set)
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) the model alone
+
+
+class _Feeder:
+    """Keeps every request's queue ``ahead`` frames beyond what was stepped, in whole cycles of
+    APPEND(cycle frames), COMMIT, RESPOND -- so each request is always listening and replying."""
+
+    def __init__(self, engine: Engine, batch: int, cycle: int, options: object, ahead: int) -> None:
+        self.engine = engine
+        self.cycle = cycle
+        self.options = options
+        self.ahead = ahead
+        # Silent input: parrot's VAD hears no speech, so each commit is exactly one cycle's frames.
+        # One shared array: APPEND frames are only read.
+        self.frames = np.zeros((cycle, FRAME), dtype=np.float32)
+        self.requests = [(FenceToken(f"s{i}", 1, 1), f"r{i}", QueueCounter()) for i in range(batch)]
+        self.cycles = 0
+
+    def top_up(self, steps: int) -> None:
+        cmds: list[Any] = []
+        while self.cycles * self.cycle < steps + self.ahead:
+            opts = self.options if self.cycles == 0 else None
+            self.cycles += 1
+            for fence, rid, counter in self.requests:
+                append = Work(APPEND, fence, "o", rid, seq=self.cycles, frames=self.frames, options=opts)
+                cmds += [
+                    Enqueue(append, counter),
+                    Enqueue(Work(COMMIT, fence, "o", rid), counter),
+                    Enqueue(Work(RESPOND, fence, "o", rid), counter),
+                ]
+        self.engine.submit(cmds)
+
+
+def model_alone(
+    spec: ModelSpec, device: torch.device, batch: int, *, seconds: float, cycle: int, torch_threads: int
+) -> Rates:
+    """Engine in-process: B requests, each always with input queued and always replying."""
+    lock = threading.Lock()
+    counts = {"steps": 0, "reply": 0}
+    feeder: _Feeder | None = None
+
+    def sink(items: list[tuple[str, OwnerStep]]) -> None:
+        with lock:
+            for _, item in items:
+                if item.step:
+                    counts["steps"] += 1
+                    counts["reply"] += len(item.audio)
+            steps = counts["steps"]
+        # On the engine thread: topping up here keeps a second Python thread off the GIL.
+        if feeder is not None:
+            feeder.top_up(steps)
+
+    def factory() -> StepModel[Any]:
+        return create_model(spec.name, device, spec.construct)
+
+    engine = Engine(factory, sink=sink, max_batch=batch, torch_threads=torch_threads)
+    engine.start()
+    try:
+        while engine.model is None and engine.dead is None:
+            time.sleep(0.01)
+        if engine.model is None:
+            raise RuntimeError(f"engine failed: {engine.dead!r}")
+        options = engine.model.parse_options(spec.alone_params(cycle))
+        fed = _Feeder(engine, batch, cycle, options, ahead=max(4 * cycle, 256))
+        fed.top_up(0)
+        feeder = fed
+        while engine.steps < 2 * cycle + 20 and engine.dead is None:  # replies running
+            time.sleep(0.01)
+        with lock:
+            s0, r0 = counts["steps"], counts["reply"]
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        with lock:
+            s1, r1 = counts["steps"], counts["reply"]
+        dt = time.perf_counter() - t0
+        if engine.dead is not None:
+            raise RuntimeError(f"engine failed: {engine.dead!r}")
+    finally:
+        engine.stop()
+    return Rates(input_fps=(s1 - s0) * batch / dt, reply_fps=(r1 - r0) / dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) the full path
+
+
+class _Driver:
+    """One client session: appends as fast as acks allow, a response every ``cycle`` frames."""
+
+    def __init__(self, session: Session, *, cycle: int, window: int) -> None:
+        self.session = session
+        self.cycle = cycle
+        self.window = window
+        self.idle = asyncio.Event()  # no response of ours is active
+        self.idle.set()
+        self.acked = 0  # = the highest acked seq: one frame per append
+        self.reply_bytes = 0
+        self.error_codes: list[str] = []
+
+    async def read(self) -> None:
+        async for ev in self.session.events():
+            kind = event_kind(ev)
+            if kind == "input_ack":
+                self.acked = max(self.acked, ev.input_ack.seq)
+            elif kind == "audio_delta":
+                self.reply_bytes += len(ev.audio_delta.pcm)
+            elif kind == "response_done":
+                self.idle.set()
+            elif kind == "error":
+                self.error_codes.append(ev.error.code)
+
+    async def send(self, stop: asyncio.Event, offset: int) -> None:
+        """``cycle`` frames, then (once the previous response is done) commit + response.create.
+
+        A turn-taking client: input waits for the previous reply at each turn boundary. An
+        open-loop one would only fill the worker's input queue (``input_ack`` says "handed on
+        to the worker", not "consumed"). ``offset`` staggers the sessions' turns by making the
+        first one shorter (never longer: a lockstep parrot reply is played out by the next
+        turn's input, so a turn longer than the next would stall)."""
+        chunk = bytes(FRAME_BYTES)
+        since_commit = offset
+        while not stop.is_set():
+            await self.session.wait_acked(self.window, timeout_s=5.0)
+            await self.session.send_audio(chunk)
+            since_commit += 1
+            if since_commit >= self.cycle:
+                await self.idle.wait()
+                if stop.is_set():
+                    return
+                self.idle.clear()
+                since_commit = 0
+                await self.session.commit()
+                await self.session.create_response()
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process (this one when ``pid`` is None); None if unknown."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+async def full_path(
+    target: str,
+    spec: ModelSpec,
+    batch: int,
+    *,
+    seconds: float,
+    warmup: float,
+    cycle: int,
+    window: int,
+    pids: tuple[int | None, ...] = (None,),
+) -> Rates:
+    """B client sessions against a running session service at ``target``.
+
+    ``pids``: processes whose CPU use to report (None = this process, the client)."""
+    async with DuplexClient(target) as client:
+        sessions = await asyncio.gather(
+            *(
+                client.open_session(
+                    model=spec.name,
+                    turn_detection=turn_detection(auto_respond=False, barge_in=False),
+                    extra_body=spec.session_extra(cycle),
+                )
+                for _ in range(batch)
+            )
+        )
+        drivers = [_Driver(s, cycle=cycle, window=window) for s in sessions]
+        stop = asyncio.Event()
+        readers = [asyncio.create_task(d.read()) for d in drivers]
+        senders = [asyncio.create_task(d.send(stop, i * cycle // batch)) for i, d in enumerate(drivers)]
+        try:
+            await asyncio.sleep(warmup)
+            acked0 = [d.acked for d in drivers]
+            reply0 = sum(d.reply_bytes for d in drivers)
+            cpu0 = [_cpu_seconds(p) for p in pids]
+            t0 = time.perf_counter()
+            await asyncio.sleep(seconds)
+            acked = [d.acked - a for d, a in zip(drivers, acked0, strict=True)]
+            reply = sum(d.reply_bytes for d in drivers) - reply0
+            cpu1 = [_cpu_seconds(p) for p in pids]
+            dt = time.perf_counter() - t0
+            for task in senders:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise RuntimeError(f"a client session failed: {task.exception()!r}")
+        finally:
+            stop.set()
+            for task in senders:
+                task.cancel()
+            await asyncio.gather(*senders, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*(s.close(timeout_s=3.0) for s in sessions)), 10.0)
+            for task in readers:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+    codes = [c for d in drivers for c in d.error_codes]
+    mean = sum(acked) / len(acked)
+    return Rates(
+        input_fps=sum(acked) / dt,
+        reply_fps=reply / FRAME_BYTES / dt,
+        min_share=min(acked) / mean if mean else 0.0,
+        cpu=tuple(
+            (b - a) / dt if a is not None and b is not None else None for a, b in zip(cpu0, cpu1, strict=True)
+        ),
+        errors=len(codes),
+        error_codes=set(codes),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b > 0 else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="synthetic,parrot", help="comma list of synthetic, parrot")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--seconds", type=float, default=3.0, help="length of each measurement")
+    p.add_argument("--warmup", type=float, default=1.0, help="full path: seconds before measuring")
+    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="intra-op threads of torch on both paths (0 = torch's default; 1 suits a small CPU box)",
+    )
+    p.add_argument("--cycle", type=int, default=32, help="input frames per turn (~ reply frames per turn)")
+    p.add_argument("--window", type=int, default=32, help="unacknowledged appends a client keeps in flight")
+    p.add_argument("--hidden-size", type=int, default=256, help="synthetic model")
+    p.add_argument("--layers", type=int, default=2, help="synthetic model")
+    args = p.parse_args(argv)
+
+    specs = {"synthetic": _synthetic(args.hidden_size, args.layers), "parrot": PARROT}
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in specs]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {sorted(specs)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    device = resolve_device(args.device)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+
+    print(
+        f"e2e: device={device} torch_threads={args.torch_threads or torch.get_num_threads()} "
+        f"cycle={args.cycle} window={args.window} seconds={args.seconds:g} (one run; ratios, not thresholds)",
+        flush=True,
+    )
+    rows: list[str] = []
+    for name in names:
+        spec = specs[name]
+        alone = {
+            b: model_alone(
+                spec, device, b, seconds=args.seconds, cycle=args.cycle, torch_threads=args.torch_threads
+            )
+            for b in batches
+        }
+        with tempfile.TemporaryFile("w+") as log:
+            full = _run_full_path(spec, batches, args, log)
+        for b in batches:
+            rows.append(_row(name, b, alone[b], full[b]))
+            print(f"  {rows[-1]}", flush=True)
+    print(HEADER)
+    for row in rows:
+        print(row)
+    print(
+        "in/out = input/reply frames/s (alone: consumed/emitted; e2e: acked/received in audio_delta);\n"
+        "ratio = e2e / alone at the same B; x rt = e2e input per session in multiples of real time;\n"
+        "min/mean = slowest session's input over the mean; cpu = cores used by client/session/worker."
+    )
+    return 0
+
+
+HEADER = (
+    f"{'model':<10} {'B':>3} {'alone in/s':>10} {'alone out/s':>11} {'e2e in/s':>9} {'e2e out/s':>9} "
+    f"{'in ratio':>8} {'out ratio':>9} {'x rt':>6} {'min/mean':>8} {'cpu c/s/w':>14} errors"
+)
+
+
+def _row(name: str, b: int, a: Rates, f: Rates) -> str:
+    cpu = "/".join("-" if c is None else f"{c:.2f}" for c in f.cpu)
+    err = f"{f.errors}" + (f" {sorted(f.error_codes)}" if f.error_codes else "")
+    return (
+        f"{name:<10} {b:>3} {a.input_fps:>10,.0f} {a.reply_fps:>11,.0f} {f.input_fps:>9,.0f} "
+        f"{f.reply_fps:>9,.0f} {_ratio(f.input_fps, a.input_fps):>8} {_ratio(f.reply_fps, a.reply_fps):>9} "
+        f"{f.input_fps / b / FRAMES_PER_S:>6.1f} {f.min_share:>8.2f} {cpu:>14} {err}"
+    )
+
+
+def _run_full_path(
+    spec: ModelSpec, batches: list[int], args: argparse.Namespace, log: IO[str]
+) -> dict[int, Rates]:
+    """Start one worker and one session service for ``spec``, measure each B, stop them."""
+    worker_args = [*spec.worker_flags]
+    if args.torch_threads:
+        worker_args += ["--torch-threads", str(args.torch_threads)]
+    stack = LocalStack(
+        workers=1,
+        model=spec.name,
+        plugin=spec.plugin,
+        device=args.device,
+        worker_args=worker_args,
+        session_args=list(spec.session_flags),
+        log=log,
+    )
+    try:
+        with stack:
+            assert stack.session is not None
+            pids = (None, stack.session.pid, stack.worker_children[0].pid)
+            return {
+                b: asyncio.run(
+                    full_path(
+                        stack.target,
+                        spec,
+                        b,
+                        seconds=args.seconds,
+                        warmup=args.warmup,
+                        cycle=args.cycle,
+                        window=args.window,
+                        pids=pids,
+                    )
+                )
+                for b in batches
+            }
+    except BaseException:
+        log.seek(0)
+        tail = log.read()[-4000:]
+        if tail:
+            sys.stderr.write(f"--- service logs ({spec.name}) ---\n{tail}\n")
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
