@@ -302,3 +302,36 @@ async def test_reflection_lists_the_service() -> None:
                 names = {s.name for s in resp.list_services_response.service}
                 break
     assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
+
+
+async def test_orphaned_sessions_are_released_after_the_grace() -> None:
+    """A crashed session-service replica must not pin model state and capacity forever."""
+    async with worker(orphan_grace_s=0.3, max_sessions=3) as (_, stub):
+        await attach(stub, "gone1", "crashed")
+        await attach(stub, "gone2", "crashed")
+        await attach(stub, "kept", "alive")
+        run = RunClient(stub, "crashed")
+        run.send(sub("r1", "gone1", APPEND, seq=1, data=pcm(noise(2))))
+        await run.until(lambda m: any(u.input_seq == 1 for u in m.updates))
+        alive = RunClient(stub, "alive")
+        alive.send(sub("k", "kept", APPEND, seq=1, data=pcm(noise(1))))
+        await alive.until(lambda m: any(u.input_seq == 1 for u in m.updates))
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            await attach(stub, "new1", "alive")
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        run.close()
+        await asyncio.sleep(0.1)
+        # Within the grace the owner may come back and carry on with its sessions.
+        back = RunClient(stub, "crashed")
+        back.send(sub("r1", "gone1", APPEND, seq=2, data=pcm(noise(1))))
+        await back.until(lambda m: any(u.input_seq == 2 for u in m.updates))
+        back.close()
+        await asyncio.sleep(0.8)
+        # Past the grace: its sessions are released, capacity is back, the live owner's stays.
+        await attach(stub, "new1", "alive")
+        await attach(stub, "new2", "alive")
+        resp = await stub.Attach(
+            worker_pb2.AttachRequest(session_id="kept", epoch=1, owner="alive"), timeout=5
+        )
+        assert resp.resumed
+        alive.close()

@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-frames", type=int, default=1024, help="per-request input queue bound")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--drain-grace-s", type=float, default=5.0)
+    p.add_argument(
+        "--orphan-grace-s",
+        type=float,
+        default=30.0,
+        help="release an owner's sessions this long after its last Run stream ended",
+    )
     p.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
     p.add_argument("--log-level", default="INFO")
     parrot = p.add_argument_group("parrot model")
@@ -75,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_sessions=args.max_sessions,
         max_queued_frames=args.max_queued_frames,
         drain_grace_s=args.drain_grace_s,
+        orphan_grace_s=args.orphan_grace_s,
         torch_threads=args.torch_threads,
         model_options=options,
         **extra,  # type: ignore[arg-type]

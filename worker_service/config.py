@@ -35,6 +35,9 @@ class WorkerConfig:
     """Per-owner output queue bound, in StepOutputs; an owner that falls this far behind is cut off."""
     worker_id: str = field(default_factory=_worker_id)
     """This worker's id (logs, Describe)."""
+    orphan_grace_s: float = 30.0
+    """How long an owner's sessions keep their model state after its last Run stream ended; an
+    owner that has not reconnected by then (crashed, cut off) has its sessions released."""
     drain_grace_s: float = 5.0
     """On SIGTERM: how long in-flight replies may run on before the streams are ended."""
     torch_threads: int = 0
@@ -49,5 +52,7 @@ class WorkerConfig:
             raise ValueError("max_sessions must be >= 0")
         if self.max_queued_frames < 1:
             raise ValueError("max_queued_frames must be >= 1")
+        if self.orphan_grace_s < 0:
+            raise ValueError("orphan_grace_s must be >= 0")
         if self.max_output_steps < 1:
             raise ValueError("max_output_steps must be >= 1")

@@ -87,6 +87,10 @@ class OutputHub:
         OWNER_STREAMS.set(len(self._channels))
         return channel
 
+    def has(self, owner: str) -> bool:
+        """Whether ``owner`` has an open Run stream."""
+        return owner in self._channels
+
     def discard(self, channel: OwnerChannel) -> None:
         if self._channels.get(channel.owner) is channel:
             del self._channels[channel.owner]

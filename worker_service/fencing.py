@@ -106,6 +106,10 @@ class FenceTable:
             old, _ = self._tombstones.popitem(last=False)
             self._sessions.pop(old, None)
 
+    def live_sessions_of(self, owner: str) -> list[str]:
+        """Sessions currently attached to ``owner`` (a scan: only for the rare orphan reap)."""
+        return [sid for sid, f in self._sessions.items() if f.live and f.owner == owner]
+
     def is_current(self, session_id: str, epoch: int, owner: str) -> bool:
         """Whether output stepped under ``(session_id, epoch)`` may still go to ``owner``."""
         cur = self._sessions.get(session_id)

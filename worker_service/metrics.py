@@ -49,6 +49,10 @@ OWNER_CUTOFFS: Final = Counter(
     "duplex_worker_owner_cutoffs",
     "Run streams ended because the owner fell too far behind (output queue full).",
 )
+ORPHANS_RELEASED: Final = Counter(
+    "duplex_worker_orphaned_sessions_released",
+    "Sessions released because their owner did not reconnect within the orphan grace.",
+)
 ENGINE_FAILURES: Final = Counter(
     "duplex_worker_engine_failures", "Fatal engine errors (the worker stops serving)."
 )

@@ -65,6 +65,7 @@ class WorkerServer:
         self._health: Health | None = None
         self._engine: Engine | None = None
         self._hub: OutputHub | None = None
+        self._servicer: DuplexWorkerServicer | None = None
         self._ready: asyncio.Future[StepModel[Any]] | None = None
         self._stopped = asyncio.Event()
         self._tasks: set[asyncio.Future[None]] = set()
@@ -95,7 +96,7 @@ class WorkerServer:
             on_fatal=lambda exc: loop.call_soon_threadsafe(self._engine_failed, exc),
             torch_threads=self.config.torch_threads,
         )
-        servicer = DuplexWorkerServicer(
+        servicer = self._servicer = DuplexWorkerServicer(
             self.config, self.state, self._engine, self._hub, FenceTable(self.config.max_sessions)
         )
         worker_pb2_grpc.add_DuplexWorkerServicer_to_server(servicer, server)
@@ -156,6 +157,8 @@ class WorkerServer:
         await self.drain()
         if self._server is not None:
             await self._server.stop(grace)
+        if self._servicer is not None:
+            self._servicer.cancel_reapers()
         if self._engine is not None:
             await asyncio.to_thread(self._engine.stop)
         if self.metrics is not None:

@@ -40,7 +40,7 @@ from worker_service.engine import (
     Work,
 )
 from worker_service.fencing import FenceTable
-from worker_service.metrics import FENCED, REQUEST_ERRORS, SUBMISSIONS
+from worker_service.metrics import FENCED, ORPHANS_RELEASED, REQUEST_ERRORS, SUBMISSIONS
 from worker_service.model import StepModel, bad_submission
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         self._hub = hub
         self._fences = fences
         self._counters: dict[str, QueueCounter] = {}
+        self._reapers: dict[str, asyncio.Task[None]] = {}
 
     def _serving_model(self) -> StepModel[Any]:
         if self._state.failed:
@@ -138,6 +139,9 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         except DuplexError as err:
             await abort(context, err)
         owner = first.owner
+        reaper = self._reapers.pop(owner, None)
+        if reaper is not None:
+            reaper.cancel()  # the owner is back within its grace: its sessions live on
         channel = self._hub.open(owner)
         reader = asyncio.create_task(self._read(owner, first, request_iterator, channel))
         try:
@@ -153,6 +157,39 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         finally:
             reader.cancel()
             self._hub.discard(channel)
+            if not self._hub.has(owner) and owner not in self._reapers:
+                self._reapers[owner] = asyncio.create_task(self._reap_orphans(owner))
+
+    async def _reap_orphans(self, owner: str) -> None:
+        """Release the sessions of an owner that did not come back (crashed, partitioned, cut
+        off): nothing else would ever free their model state, slots and capacity."""
+        try:
+            await asyncio.sleep(self._config.orphan_grace_s)
+        finally:
+            if self._reapers.get(owner) is asyncio.current_task():
+                del self._reapers[owner]
+        if self._hub.has(owner):
+            return
+        orphans = self._fences.live_sessions_of(owner)
+        if not orphans:
+            return
+        logger.warning(
+            "owner %s gone for %.0f s: releasing its %d sessions",
+            owner,
+            self._config.orphan_grace_s,
+            len(orphans),
+        )
+        ORPHANS_RELEASED.inc(len(orphans))
+        self._engine.submit([ReleaseSession(sid) for sid in orphans])
+        for sid in orphans:
+            self._fences.release(sid)
+            self._counters.pop(sid, None)
+
+    def cancel_reapers(self) -> None:
+        """Stop pending orphan reaps (server shutdown)."""
+        for task in self._reapers.values():
+            task.cancel()
+        self._reapers.clear()
 
     async def _read(
         self,
