@@ -241,9 +241,10 @@ class _Driver:
 
         A turn-taking client: input waits for the previous reply at each turn boundary. An
         open-loop one would only fill the worker's input queue (``input_ack`` says "handed on
-        to the worker", not "consumed"). ``offset`` staggers the sessions' turns by making the
-        first one shorter (never longer: a lockstep parrot reply is played out by the next
-        turn's input, so a turn longer than the next would stall)."""
+        to the worker", held only while over ~2 s waits unconsumed there). ``offset`` staggers
+        the sessions' turns by making the first one shorter (never longer: a lockstep parrot
+        reply is played out by the next turn's input, so a turn longer than the next would
+        stall)."""
         chunk = bytes(FRAME_BYTES)
         since_commit = offset
         while not stop.is_set():

@@ -33,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
             "(a lockstep model such as parrot then stalls without client audio)"
         ),
     )
+    p.add_argument(
+        "--max-unconsumed-input-ms",
+        type=int,
+        default=RunnerConfig().max_unconsumed_input_ms,
+        help="hold input acks while more audio than this waits unconsumed at the worker (0 = never)",
+    )
     return p
 
 
@@ -46,6 +52,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
             split_host_port(w)
     except ValueError as exc:
         raise SystemExit(f"duplex session: {exc}") from exc
+    if args.max_unconsumed_input_ms < 0:
+        raise SystemExit("duplex session: --max-unconsumed-input-ms must not be negative")
     if args.max_sessions < 1 or args.idle_timeout_s <= 0:
         raise SystemExit("duplex session: --max-sessions and --idle-timeout-s must be positive")
     return ServiceConfig(
@@ -59,7 +67,9 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         replica_id=args.replica_id or f"session-{uuid.uuid4().hex[:12]}",
         drain_grace_s=args.drain_grace_s,
         runner=RunnerConfig(
-            idle_timeout_s=args.idle_timeout_s, silence_continuation=not args.no_silence_continuation
+            idle_timeout_s=args.idle_timeout_s,
+            silence_continuation=not args.no_silence_continuation,
+            max_unconsumed_input_ms=args.max_unconsumed_input_ms,
         ),
     )
 

@@ -22,6 +22,11 @@ class RunnerConfig:
     silence_continuation: bool = True
     """Feed real-time silence while a response plays and the client sends no audio, so worker
     turn detection (barge-in) keeps running."""
+    max_unconsumed_input_ms: int = 2000
+    """Backpressure through input acks: while more than this much audio (in worker frames) has
+    been handed to the worker but not yet consumed by it (``RequestUpdate.input_seq``), input
+    acks are held and released as the worker catches up. A client that waits for acks then
+    never overruns the worker's per-request input queue. 0 = ack on hand-off, never hold."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -56,3 +56,32 @@ for _reason in (
     DROPPED_OUTPUTS.labels(reason=_reason)
 for _stage in ("ack", "first_audio"):
     FRAME_LATENCY.labels(stage=_stage)
+
+
+class Children(dict[str, Any]):
+    """``metric.labels(...)`` children by one label's value, looked up once and then cached.
+
+    ``labels()`` takes a lock and builds a key tuple on every call; on a per-frame path that is
+    a measurable share of the session service's CPU. Label values are bounded sets here (event
+    types, reasons, codes), so the cache stays small.
+    """
+
+    def __init__(self, metric: Any, label: str, **fixed: str) -> None:
+        super().__init__()
+        self._metric = metric
+        self._label = label
+        self._fixed = fixed
+
+    def __missing__(self, value: str) -> Any:
+        child = self._metric.labels(**self._fixed, **{self._label: value})
+        self[value] = child
+        return child
+
+
+#: Cached children of the per-event metrics (``EVENTS_IN["append"].inc()``).
+EVENTS_IN: Final = Children(EVENTS, "type", direction="in")
+EVENTS_OUT: Final = Children(EVENTS, "type", direction="out")
+ERRORS_BY_CODE: Final = Children(ERRORS, "code")
+DROPPED: Final = Children(DROPPED_OUTPUTS, "reason")
+LATENCY_ACK: Final = FRAME_LATENCY.labels(stage="ack")
+LATENCY_FIRST_AUDIO: Final = FRAME_LATENCY.labels(stage="first_audio")

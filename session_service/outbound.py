@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from duplex.v1 import session_pb2
-from session_service.metrics import DROPPED_OUTPUTS, EVENTS
+from session_service.metrics import DROPPED, EVENTS_OUT
 
 
 @dataclass(slots=True)
@@ -65,7 +65,7 @@ class Outbound:
         dropped = len(self._items) - len(keep)
         if dropped:
             self._items = keep
-            DROPPED_OUTPUTS.labels(reason="purged").inc(dropped)
+            DROPPED["purged"].inc(dropped)
         return dropped
 
     @property
@@ -91,9 +91,9 @@ class Outbound:
             while self._items:
                 item = self._items.popleft()
                 if item.epoch is not None and item.epoch < self._current_epoch():
-                    DROPPED_OUTPUTS.labels(reason="stale_epoch").inc()
+                    DROPPED["stale_epoch"].inc()
                     continue
-                EVENTS.labels(direction="out", type=item.event.WhichOneof("event") or "none").inc()
+                EVENTS_OUT[item.event.WhichOneof("event") or "none"].inc()
                 return item.event
             if self._closed:
                 return None

@@ -259,6 +259,9 @@ class FramePacketizer(PcmAppendBuffer):
         self.worker_format = worker_format
         self.frame_bytes = frame_samples * worker_format.frame_bytes
         self._converter = StreamConverter(client_format, worker_format)
+        # A converter between equal formats holds no state: nothing to snapshot for a rollback
+        # (a deep copy per append was the costliest part of the append path).
+        self._stateless = client_format == worker_format
         self._remainder = b""
         self._reserved: _FrameReservation | None = None
 
@@ -274,16 +277,19 @@ class FramePacketizer(PcmAppendBuffer):
         self._remainder = b""
         self._converter = StreamConverter(self.client_format, self.worker_format)
 
+    def _snapshot(self) -> tuple[bytes, StreamConverter]:
+        return (self._remainder, self._converter if self._stateless else copy.deepcopy(self._converter))
+
     def reserve_append(self, pcm: bytes) -> AppendReservation:
         self._check_free()
-        snap = (self._remainder, copy.deepcopy(self._converter))
+        snap = self._snapshot()
         data = self._remainder + self._converter.convert(pcm)  # raises before any state changes
         cut = len(data) - len(data) % self.frame_bytes
         return self._open(_FrameReservation(self, data[:cut], len(pcm), data[cut:], snap))
 
     def reserve_flush(self) -> AppendReservation:
         self._check_free()
-        snap = (self._remainder, copy.deepcopy(self._converter))
+        snap = self._snapshot()
         frames = self._remainder
         if frames:
             frames += b"\x00" * (self.frame_bytes - len(frames))
@@ -408,14 +414,15 @@ class PcmDataPlane(DataPlane):
             return []
         offset_ms = proj.audio_ms
         proj.samples_out += len(pcm) // proj.output_format.frame_bytes
-        delta = session_pb2.AudioDelta(
-            response_id=proj.response_id,
-            turn_id=proj.turn_id,
-            epoch=proj.epoch,
-            pcm=pcm,
-            offset_ms=offset_ms,
-        )
-        return [session_pb2.ServerEvent(audio_delta=delta)]
+        # Filled in place: constructing the delta first and passing it in would copy it (PCM too).
+        event = session_pb2.ServerEvent()
+        delta = event.audio_delta
+        delta.response_id = proj.response_id
+        delta.turn_id = proj.turn_id
+        delta.epoch = proj.epoch
+        delta.pcm = pcm
+        delta.offset_ms = offset_ms
+        return [event]
 
     def project_text(self, proj: ResponseProjection, text: str) -> list[session_pb2.ServerEvent]:
         if not text:
@@ -518,12 +525,9 @@ class DuplexModelPlugin(ABC):
         if not frames:
             return []
         sub = worker_pb2.Submission(
-            request_id=request_id,
-            fence=fence.to_proto(),
-            kind=worker_pb2.SUBMISSION_KIND_APPEND,
-            seq=seq,
-            pcm=frames,
+            request_id=request_id, kind=worker_pb2.SUBMISSION_KIND_APPEND, seq=seq, pcm=frames
         )
+        _set_fence(sub, fence)
         _set_params(sub, params)
         return [sub]
 
@@ -531,7 +535,8 @@ class DuplexModelPlugin(ABC):
         self, *, request_id: str, fence: Fence, kind: int, params: Mapping[str, Any] | None
     ) -> worker_pb2.Submission:
         """A COMMIT, RESPOND or CLEAR submission."""
-        sub = worker_pb2.Submission(request_id=request_id, fence=fence.to_proto(), kind=kind)  # type: ignore[arg-type]
+        sub = worker_pb2.Submission(request_id=request_id, kind=kind)  # type: ignore[arg-type]
+        _set_fence(sub, fence)
         _set_params(sub, params)
         return sub
 
@@ -546,6 +551,13 @@ class DuplexModelPlugin(ABC):
     def commit_model_context(self, *, session_id: str, assistant_text: str) -> None:
         """Persist model-context history at a turn boundary (default: nothing to keep)."""
         del session_id, assistant_text
+
+
+def _set_fence(sub: worker_pb2.Submission, fence: Fence) -> None:
+    f = sub.fence  # in place: no Fence message built and copied per submission
+    f.session_id = fence.session_id
+    f.epoch = fence.epoch
+    f.turn_id = fence.turn_id
 
 
 def _set_params(sub: worker_pb2.Submission, params: Mapping[str, Any] | None) -> None:

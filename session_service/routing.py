@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator
 
 from duplex.v1 import common_pb2, worker_pb2
-from session_service.metrics import DROPPED_OUTPUTS
+from session_service.metrics import DROPPED
 from session_service.runner import SessionRunner, WorkerHandle
 from session_service.sparse_router import route_step
 
@@ -51,7 +51,7 @@ class Router:
     def on_step(self, link: WorkerHandle, step: worker_pb2.StepOutput) -> None:
         routed = route_step(step)
         if routed.failed_closed is not None:
-            DROPPED_OUTPUTS.labels(reason="fail_closed").inc(len(step.outputs.audio))
+            DROPPED["fail_closed"].inc(len(step.outputs.audio))
         fences: dict[str, common_pb2.Fence] = {e.request_id: e.fence for e in step.batch}
         updates: dict[str, list[worker_pb2.RequestUpdate]] = {}
         for u in step.updates:
@@ -62,10 +62,10 @@ class Router:
         for rid in targets:
             runner = self._registry.get(rid)
             if runner is None:
-                DROPPED_OUTPUTS.labels(reason="unknown_request").inc()
+                DROPPED["unknown_request"].inc()
                 continue
             if runner.link is not link:
-                DROPPED_OUTPUTS.labels(reason="stale_worker").inc()
+                DROPPED["stale_worker"].inc()
                 continue
             try:
                 runner.on_output(fences.get(rid), routed.payloads.get(rid), updates.get(rid, ()))

@@ -6,6 +6,11 @@ against the fence and put on the session's single outbound queue without any awa
 and a cancel (which also runs without awaiting) advances the epoch and purges that queue in one
 go, so no audio of a cancelled epoch or an older turn can reach the client after
 ``audio_cancelled``.
+
+An ``input_ack`` names the highest seq handed on to the worker, and is held back while more
+than ``RunnerConfig.max_unconsumed_input_ms`` of handed-on audio is not yet consumed by it
+(``RequestUpdate.input_seq``): a client that waits for acks never overruns the worker's input
+queue. A new epoch, a lost or replaced worker, or a rejected submission releases held acks.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,10 +39,11 @@ from duplex.errors import (
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
 from session_service.metrics import (
-    DROPPED_OUTPUTS,
-    ERRORS,
-    EVENTS,
-    FRAME_LATENCY,
+    DROPPED,
+    ERRORS_BY_CODE,
+    EVENTS_IN,
+    LATENCY_ACK,
+    LATENCY_FIRST_AUDIO,
     MAILBOX_FULL,
     SILENCE_FRAMES,
     WORKER_SESSIONS,
@@ -225,9 +233,20 @@ class SessionRunner:
         self._params_dirty = True  # the first submission carries the session's model options
         self._last_client = time.monotonic()
         self._commit_at = self._last_client
-        silence = deps.plugin.frame_samples * deps.plugin.worker_format.frame_bytes
-        self._silence_frame = b"\x00" * silence
+        self._frame_bytes = deps.plugin.frame_samples * deps.plugin.worker_format.frame_bytes
+        self._silence_frame = b"\x00" * self._frame_bytes
         self._frame_period = deps.plugin.frame_samples / deps.plugin.worker_format.sample_rate_hz
+        self._fence_cache = Fence(session_id, epoch, 0)
+        # Backpressure through acks (RunnerConfig.max_unconsumed_input_ms): the worker frames
+        # handed on in this epoch on this link, and how many of them the worker has consumed.
+        hold_ms = self._cfg.max_unconsumed_input_ms
+        self._ack_bound = max(1, math.ceil(hold_ms / (1000.0 * self._frame_period))) if hold_ms > 0 else 0
+        self._frames_sent = 0
+        self._frames_consumed = 0
+        self._inflight: deque[tuple[int, int]] = deque()
+        """(worker seq, ``_frames_sent`` once it was handed on) of APPENDs not yet consumed."""
+        self._held_acks: deque[tuple[int, int, float]] = deque()
+        """(client seq, epoch, received) of appends handed on whose acks wait for the worker."""
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -246,8 +265,12 @@ class SessionRunner:
         """Queue a client event (waits while the mailbox is full: backpressure to the client)."""
         if self._closed:
             return
-        self._last_client = time.monotonic()
-        await self._mailbox.put(_Inbound(event, received if received is not None else time.monotonic()))
+        now = self._last_client = time.monotonic()
+        item = _Inbound(event, received if received is not None else now)
+        try:
+            self._mailbox.put_nowait(item)
+        except asyncio.QueueFull:
+            await self._mailbox.put(item)
 
     def close(self, reason: str) -> None:
         """Close from outside the runner (drain, shutdown): answer ``closed`` and stop."""
@@ -310,6 +333,8 @@ class SessionRunner:
                 self._close("internal_error")
 
     async def _next_item(self) -> _MailItem | None:
+        if not self._mailbox.empty():  # the common case under load: no timer, no suspension
+            return self._mailbox.get_nowait()
         idle = float(self.settings.idle_timeout_s or self._cfg.idle_timeout_s)
         wait = max(0.05, self._last_client + idle - time.monotonic())
         try:
@@ -329,7 +354,7 @@ class SessionRunner:
             return
         ev = item.event
         kind = ev.WhichOneof("event")
-        EVENTS.labels(direction="in", type=kind or "none").inc()
+        EVENTS_IN[kind or "none"].inc()
         if kind in ("open", "resume"):
             raise BadEventError(ErrorCode.ALREADY_OPEN, "the session is already open")
         if kind == "append":
@@ -378,7 +403,7 @@ class SessionRunner:
             self._close("slow_consumer")
 
     def _error(self, err: DuplexError, event_id: str = "") -> None:
-        ERRORS.labels(code=err.code).inc()
+        ERRORS_BY_CODE[err.code].inc()
         self._safe_emit(
             "error",
             session_pb2.Error(code=err.code, message=err.message, event_id=event_id, retryable=err.retryable),
@@ -387,7 +412,7 @@ class SessionRunner:
     def _emit_response_output(self, event: session_pb2.ServerEvent, resp: ActiveResponse) -> bool:
         # The last-moment fence check: the response must still be the active one, of this epoch.
         if self._response is not resp or resp.epoch != self.epoch or self._closed:
-            DROPPED_OUTPUTS.labels(reason="response_cancelled").inc()
+            DROPPED["response_cancelled"].inc()
             return False
         self._event_no += 1
         event.event_id = f"se_{self._event_no}"
@@ -418,10 +443,81 @@ class SessionRunner:
             self._worker_seq = 0
         self._bind(link)
         self._params_dirty = True
+        # Bound first: emitting held acks may overflow the outbound queue and close the session,
+        # which must then release the new placement too.
+        self._reset_input_tracking()  # nothing is in flight on the new placement
         return link
 
     def _fence(self) -> Fence:
-        return Fence(self.session_id, self.epoch, self.turn_id)
+        f = self._fence_cache
+        if f.epoch != self.epoch or f.turn_id != self.turn_id:
+            f = self._fence_cache = Fence(self.session_id, self.epoch, self.turn_id)
+        return f
+
+    # ---- input acks with backpressure ------------------------------------------------------
+
+    @property
+    def unconsumed_frames(self) -> int:
+        """Worker frames handed on in this epoch that the worker has not reported consumed."""
+        return self._frames_sent - self._frames_consumed
+
+    def _handed_on(self, link: WorkerHandle, wseq: int, frames: int) -> None:
+        """An APPEND of ``frames`` worker frames was written under worker seq ``wseq``."""
+        if self.link is not link:
+            return  # its worker is gone (and with it the input): nothing to wait for
+        self._frames_sent += frames
+        self._inflight.append((wseq, self._frames_sent))
+
+    def _consumed(self, wseq: int) -> None:
+        """The worker consumed every APPEND up to worker seq ``wseq`` of the current epoch."""
+        inflight = self._inflight
+        while inflight and inflight[0][0] <= wseq:
+            self._frames_consumed = inflight.popleft()[1]
+        if self._held_acks and self._frames_sent - self._frames_consumed <= self._ack_bound:
+            self._release_acks()
+
+    def _reset_input_tracking(self) -> None:
+        """The worker's input position starts over (new epoch, worker lost or replaced, input
+        rejected): nothing handed on is awaited any more, and held acks go out (their appends
+        were handed on; what became of them the client learns from the event that caused this)."""
+        self._inflight.clear()
+        self._frames_sent = self._frames_consumed = 0
+        self._release_acks()
+
+    def _ack(self, seq: int, epoch: int, received: float) -> None:
+        """Acknowledge an append that was handed on, or hold the ack while the worker is behind."""
+        if self._held_acks or (
+            self._ack_bound and self._frames_sent - self._frames_consumed > self._ack_bound
+        ):
+            self._held_acks.append((seq, epoch, received))
+            return
+        now = time.monotonic()
+        self._emit_ack(seq, epoch)
+        LATENCY_ACK.observe(now - received)
+
+    def _release_acks(self) -> None:
+        """Send the held acks: one per epoch, carrying the highest seq handed on."""
+        held = self._held_acks
+        if not held:
+            return
+        now = time.monotonic()
+        last_seq, last_epoch = 0, held[0][1]
+        for seq, epoch, received in held:
+            if epoch != last_epoch:
+                self._emit_ack(last_seq, last_epoch)
+            last_seq, last_epoch = seq, epoch
+            LATENCY_ACK.observe(now - received)
+        held.clear()
+        self._emit_ack(last_seq, last_epoch)
+
+    def _emit_ack(self, seq: int, epoch: int) -> None:
+        # Built in place: no intermediate message to copy (this runs once per client chunk).
+        self._event_no += 1
+        ev = session_pb2.ServerEvent(event_id=f"se_{self._event_no}")
+        ack = ev.input_ack
+        ack.seq = seq
+        ack.epoch = epoch
+        self.outbound.put(ev)
 
     def _take_params(self) -> dict[str, Any] | None:
         if not self._params_dirty:
@@ -453,6 +549,7 @@ class SessionRunner:
         self._has_committed = False
         self.state.input_since_commit_samples = 0
         try:
+            self._reset_input_tracking()  # what it held will never be consumed: no ack waits on it
             if self._speech_open:
                 # The VAD that heard the speech is gone: close the span so events stay paired.
                 self._speech_open = False
@@ -497,7 +594,9 @@ class SessionRunner:
                 retryable=True,
             )
         self._last_seq = ap.seq
-        link = await self._bound_link()
+        link = self.link
+        if link is None or not link.healthy:
+            link = await self._bound_link()
         fence = self._fence()
         res = self.state.audio_buffer.reserve_append(ap.pcm)
         frames = res.frames
@@ -515,6 +614,7 @@ class SessionRunner:
                     raise
                 if self.epoch == fence.epoch:
                     self._worker_seq = wseq
+                    self._handed_on(link, wseq, len(frames) // self._frame_bytes)
         except BaseException:
             res.rollback()
             if self.link is link:  # a write lost with its worker leaves no hole: that input is gone too
@@ -522,10 +622,12 @@ class SessionRunner:
             raise
         res.commit()
         self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes
-        now = time.monotonic()
-        self.state.last_native_submit_monotonic = now
-        self._emit("input_ack", session_pb2.InputAudioAck(seq=ap.seq, epoch=fence.epoch))
-        FRAME_LATENCY.labels(stage="ack").observe(now - received)
+        self.state.last_native_submit_monotonic = time.monotonic()
+        if self.epoch == fence.epoch:
+            self._ack(ap.seq, fence.epoch, received)
+        else:  # cancelled meanwhile: the ack of an older epoch holds nothing back
+            self._emit_ack(ap.seq, fence.epoch)
+            LATENCY_ACK.observe(time.monotonic() - received)
 
     async def _on_commit(self, received: float) -> None:
         link = await self._bound_link()
@@ -557,6 +659,7 @@ class SessionRunner:
         res.commit()
         if frames and self.epoch == fence.epoch:
             self._worker_seq += 1
+            self._handed_on(link, self._worker_seq, len(frames) // self._frame_bytes)
         samples = (
             self.state.input_since_commit_samples + len(frames) // self._plugin.worker_format.frame_bytes
         )
@@ -727,6 +830,8 @@ class SessionRunner:
     def _cancel(self, reason: str) -> None:
         """Advance the epoch: nothing of the old epoch reaches the client after this returns."""
         resp = self._end_response()
+        # The fence moves first, before anything is emitted: even if emitting overflows the
+        # outbound queue (the session then closes), no old-epoch audio can follow.
         old = self.epoch
         self.epoch += 1
         self._worker_seq = 0
@@ -737,6 +842,9 @@ class SessionRunner:
             self.link.abort(
                 worker_pb2.Abort(request_id=self.session_id, fence=self._fence().to_proto(), reason=reason)
             )
+        # Worker seqs restart with the epoch and the worker drops the old epoch's input: acks
+        # held for it go out now (they carry the old epoch), before ``audio_cancelled``.
+        self._reset_input_tracking()
         self._emit(
             "audio_cancelled",
             session_pb2.AudioCancelled(
@@ -797,6 +905,7 @@ class SessionRunner:
         await self._submit(link, subs)
         if self.epoch == resp.epoch:
             self._worker_seq = wseq
+            self._handed_on(link, wseq, 1)
         self.state.continuation_units += 1
         SILENCE_FRAMES.inc()
 
@@ -810,7 +919,7 @@ class SessionRunner:
     ) -> None:
         """One step's news for this session: updates first, then audio, then completions."""
         if self._closed:
-            DROPPED_OUTPUTS.labels(reason="unknown_request").inc()
+            DROPPED["unknown_request"].inc()
             return
         try:
             live = [u for u in updates if self._on_news(u)]
@@ -832,8 +941,10 @@ class SessionRunner:
             self._on_worker_error(u)
             return False
         if u.fence.epoch < self.epoch:
-            DROPPED_OUTPUTS.labels(reason="stale_epoch").inc()
+            DROPPED["stale_epoch"].inc()
             return False
+        if u.input_seq and u.fence.epoch == self.epoch:
+            self._consumed(u.input_seq)
         rate = self._plugin.worker_format.sample_rate_hz
         for vad in u.vad:
             if vad.kind == SPEECH_STARTED:
@@ -862,7 +973,7 @@ class SessionRunner:
                 for ev in self._plugin.data_plane.project_text(resp.proj, u.text):
                     self._emit_response_output(ev, resp)
             else:
-                DROPPED_OUTPUTS.labels(reason="stale_turn").inc()
+                DROPPED["stale_turn"].inc()
         if u.turn_ended:
             self._on_turn_ended(u)
         patch = self._plugin.runtime_config_after_model_output(self.runtime_config, u)
@@ -888,14 +999,18 @@ class SessionRunner:
     def _on_audio(self, fence: common_pb2.Fence | None, payload: common_pb2.AudioPayload) -> None:
         resp = self._response
         if fence is None:
-            DROPPED_OUTPUTS.labels(reason="unknown_request").inc()
+            DROPPED["unknown_request"].inc()
             return
         if fence.epoch != self.epoch:
-            DROPPED_OUTPUTS.labels(reason="stale_epoch").inc()
+            DROPPED["stale_epoch"].inc()
+            return
+        if fence.session_id != self.session_id:
+            # A worker that mislabelled a step: never play another session's audio.
+            DROPPED["wrong_session"].inc()
             return
         if resp is None or fence.turn_id != resp.turn_id:
             stale = fence.turn_id < self.turn_id
-            DROPPED_OUTPUTS.labels(reason="stale_turn" if stale else "response_cancelled").inc()
+            DROPPED["stale_turn" if stale else "response_cancelled"].inc()
             return
         events = self._plugin.data_plane.project_audio(resp.proj, payload)
         sent = False
@@ -903,13 +1018,13 @@ class SessionRunner:
             sent = self._emit_response_output(ev, resp) or sent
         if sent and not resp.first_audio:
             resp.first_audio = True
-            FRAME_LATENCY.labels(stage="first_audio").observe(time.monotonic() - resp.started_at)
+            LATENCY_FIRST_AUDIO.observe(time.monotonic() - resp.started_at)
 
     def _on_terminal(self, u: worker_pb2.RequestUpdate) -> None:
         resp = self._response
         if resp is None or u.fence.turn_id != resp.turn_id or u.fence.epoch != resp.epoch:
             if u.response_finished:
-                DROPPED_OUTPUTS.labels(reason="stale_turn").inc()
+                DROPPED["stale_turn"].inc()
             return
         decision = self._plugin.decide_output(u)
         if decision is not None and decision.action == OutputAction.COMPLETE:
@@ -920,14 +1035,17 @@ class SessionRunner:
     def _on_worker_error(self, u: worker_pb2.RequestUpdate) -> None:
         code = u.error.code
         if u.fence.epoch < self.epoch:
-            DROPPED_OUTPUTS.labels(reason="stale_epoch").inc()
+            DROPPED["stale_epoch"].inc()
             return
         if code in (ErrorCode.NOT_OWNER.value, ErrorCode.STALE_EPOCH.value):
             # Our current epoch was refused: another replica took the session over. Fail closed.
-            DROPPED_OUTPUTS.labels(reason="stale_epoch").inc()
+            DROPPED["stale_epoch"].inc()
             self._error(BadEventError(ErrorCode.FENCED, "the session was taken over elsewhere"))
             self._close("fenced")
             return
+        # A rejected submission (an APPEND refused for capacity, say) is never consumed: stop
+        # waiting for it rather than hold acks for ever.
+        self._reset_input_tracking()
         resp = self._response
         if resp is not None and u.fence.turn_id == resp.turn_id:
             self._finish_response(FAILED, code or ErrorCode.MODEL_ERROR.value)

@@ -19,7 +19,7 @@ import grpc
 
 from duplex.errors import BadRequestError, DuplexError, ErrorCode, abort
 from duplex.v1 import session_pb2, session_pb2_grpc
-from session_service.metrics import ERRORS, EVENTS
+from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN
 from session_service.runner import SessionRunner
 from session_service.sessions import SessionManager
 
@@ -55,7 +55,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                     context, BadRequestError(ErrorCode.SESSION_NOT_OPEN, "no open or resume in time")
                 )
             kind = ev.WhichOneof("event")
-            EVENTS.labels(direction="in", type=kind or "none").inc()
+            EVENTS_IN[kind or "none"].inc()
             try:
                 if kind == "open":
                     runner = await self._manager.open(ev.open)
@@ -65,7 +65,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 await self._abort(context, err)
             if runner is None:
                 refused += 1
-                ERRORS.labels(code=ErrorCode.SESSION_NOT_OPEN.value).inc()
+                ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
                 yield session_pb2.ServerEvent(
                     event_id=f"pre_{refused}",
                     error=session_pb2.Error(
@@ -92,7 +92,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
         err: DuplexError,
     ) -> NoReturn:
-        ERRORS.labels(code=err.code).inc()
+        ERRORS_BY_CODE[err.code].inc()
         await abort(context, err)  # type: ignore[arg-type]
 
     async def _pump(

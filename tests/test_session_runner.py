@@ -301,7 +301,11 @@ async def test_stale_outputs_are_dropped() -> None:
     audio(r, 1, 7)  # a turn that is not the active response
     r.on_output(None, None, [step_update(0, 1, turn_ended=True)])  # stale news
     r.on_output(None, common_pb2.AudioPayload(pcm=FRAME), [])  # no batch fence
+    # Another session's fence, current epoch and turn: a mislabelled step is never played.
+    r.on_output(Fence("sess_other", 1, 1).to_proto(), common_pb2.AudioPayload(pcm=FRAME), [])
     assert drain(r) == []
+    audio(r, 1, 1)  # and the session's own current audio still flows
+    assert kinds(drain(r)) == ["audio_delta"]
 
 
 async def test_worker_errors_fail_the_response_or_fence_the_session() -> None:
@@ -449,3 +453,92 @@ async def test_worker_loss_fails_the_active_response() -> None:
     assert evs[0].response_done.status == session_pb2.RESPONSE_STATUS_FAILED
     assert evs[1].error.code == "worker_unavailable" and evs[1].error.retryable
     assert r.link is None
+
+
+# ---- backpressure through input acks ------------------------------------------------------------
+
+# 96 ms of unconsumed audio = 3 worker frames of 32 ms: acks are held beyond that.
+HOLD = {"max_unconsumed_input_ms": 96}
+
+
+def acks(events: list[session_pb2.ServerEvent]) -> list[tuple[int, int]]:
+    return [(e.input_ack.seq, e.input_ack.epoch) for e in events if e.HasField("input_ack")]
+
+
+async def _hand_on(r: SessionRunner, seqs: range) -> None:
+    for seq in seqs:
+        await r.post(append(seq))
+    await settle()
+
+
+async def test_acks_are_held_while_the_worker_is_behind_and_released_as_it_consumes() -> None:
+    link = FakeLink()
+    r = make_runner(link, **HOLD)
+    await _hand_on(r, range(1, 7))
+    # Every append was handed on at once, but only three frames may wait unconsumed.
+    assert [s.seq for s in link.subs] == [1, 2, 3, 4, 5, 6]
+    assert acks(drain(r)) == [(1, 1), (2, 1), (3, 1)]
+    assert r.unconsumed_frames == 6
+    r.on_output(None, None, [step_update(1, 0, input_seq=2)])
+    assert acks(drain(r)) == []  # four still unconsumed
+    r.on_output(None, None, [step_update(1, 0, input_seq=3)])
+    # Caught up to the bound: the held acks go out as one, the highest seq handed on.
+    assert acks(drain(r)) == [(6, 1)]
+    assert r.unconsumed_frames == 3
+    await _hand_on(r, range(7, 8))
+    assert acks(drain(r)) == []
+    r.on_output(None, None, [step_update(1, 0, input_seq=7)])
+    assert acks(drain(r)) == [(7, 1)] and r.unconsumed_frames == 0
+    # Client seqs and worker seqs are independent: a partial frame is acked without a worker seq.
+    await r.post(append(8, FRAME[:200]))
+    await settle()
+    assert acks(drain(r)) == [(8, 1)] and len(link.subs) == 7
+
+
+async def test_cancel_releases_held_acks_and_worker_seqs_restart_with_the_epoch() -> None:
+    link = FakeLink()
+    r = make_runner(link, **HOLD)
+    await _hand_on(r, range(1, 6))
+    assert acks(drain(r)) == [(1, 1), (2, 1), (3, 1)]
+    await r.post(session_pb2.ClientEvent(barge_in=session_pb2.BargeIn()))
+    await settle()
+    evs = drain(r)
+    # The held acks (old epoch) go out before audio_cancelled; nothing of epoch 1 is awaited.
+    assert kinds(evs) == ["input_ack", "audio_cancelled"]
+    assert acks(evs) == [(5, 1)] and r.unconsumed_frames == 0
+    # A late consumption report of the old epoch counts for nothing in the new one.
+    r.on_output(None, None, [step_update(1, 0, input_seq=5)])
+    await _hand_on(r, range(1, 6))
+    assert [s.seq for s in link.subs[-5:]] == [1, 2, 3, 4, 5]
+    assert all(s.fence.epoch == 2 for s in link.subs[-5:])
+    assert acks(drain(r)) == [(1, 2), (2, 2), (3, 2)]
+    r.on_output(None, None, [step_update(2, 0, input_seq=2)])
+    assert acks(drain(r)) == [(5, 2)]
+
+
+async def test_a_lost_worker_or_a_rejected_append_never_leaves_acks_held() -> None:
+    link = FakeLink()
+    r = make_runner(link, **HOLD)
+    await _hand_on(r, range(1, 6))
+    assert acks(drain(r)) == [(1, 1), (2, 1), (3, 1)]
+    r.on_worker_lost(link)  # type: ignore[arg-type]
+    evs = drain(r)
+    assert acks(evs) == [(5, 1)] and kinds(evs)[-1] == "error" and r.unconsumed_frames == 0
+
+    link2 = FakeLink()
+    r2 = make_runner(link2, **HOLD)
+    await _hand_on(r2, range(1, 6))
+    drain(r2)
+    # The worker refused an APPEND (it will never be consumed): stop waiting for it.
+    err = worker_pb2.WorkerError(code="capacity", message="queue full")
+    r2.on_output(None, None, [step_update(1, 0, error=err)])
+    evs = drain(r2)
+    assert acks(evs) == [(5, 1)]
+    assert [e.error.code for e in evs if e.HasField("error")] == ["capacity_exhausted"]
+
+
+async def test_acks_are_never_held_when_the_bound_is_off() -> None:
+    link = FakeLink()
+    r = make_runner(link, max_unconsumed_input_ms=0)
+    await _hand_on(r, range(1, 41))
+    assert acks(drain(r)) == [(s, 1) for s in range(1, 41)]
