@@ -27,6 +27,17 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
 ]
 
+
+def server_options(*, max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """``SERVER_OPTIONS`` with a smaller receive limit. A client-facing server caps messages at
+    what a valid event can need: the message is parsed before any handler can check its size,
+    on the event loop every session shares."""
+    if max_receive_bytes is None:
+        return list(SERVER_OPTIONS)
+    opts = [(k, v) for k, v in SERVER_OPTIONS if k != "grpc.max_receive_message_length"]
+    return [*opts, ("grpc.max_receive_message_length", max_receive_bytes)]
+
+
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),

@@ -15,6 +15,9 @@ class RunnerConfig:
     """Client events queued per session before the reader waits (backpressure to the client)."""
     outbound_limit: int = 8192
     """Server events queued per session; a client that falls further behind is disconnected."""
+    outbound_limit_bytes: int = 4 * 1024 * 1024
+    """Bytes of server events queued per session (the client picks the output format, so a count
+    alone does not bound memory); a client that falls further behind is disconnected."""
     submit_timeout_s: float = 5.0
     """How long an append waits for its submission to be written to the worker stream."""
     max_silence_frames: int = 940

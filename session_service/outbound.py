@@ -20,6 +20,7 @@ from session_service.metrics import DROPPED, EVENTS_OUT
 class _Item:
     event: session_pb2.ServerEvent
     epoch: int | None  # set for epoch-bound output (audio/text deltas); None = always delivered
+    size: int
 
 
 class OutboundOverflow(Exception):
@@ -29,9 +30,13 @@ class OutboundOverflow(Exception):
 class Outbound:
     """Server events of one session, consumed by whichever stream is attached now."""
 
-    def __init__(self, current_epoch: Callable[[], int], *, limit: int = 8192) -> None:
+    def __init__(
+        self, current_epoch: Callable[[], int], *, limit: int = 8192, limit_bytes: int = 4 * 1024 * 1024
+    ) -> None:
         self._current_epoch = current_epoch
         self._limit = limit
+        self._limit_bytes = limit_bytes
+        self._bytes = 0
         self._items: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._attachment = 0
@@ -50,13 +55,19 @@ class Outbound:
             return
         if len(self._items) >= self._limit:
             raise OutboundOverflow(f"{len(self._items)} events unread")
-        self._items.append(_Item(event, epoch))
+        size = event.ByteSize()
+        if self._bytes + size > self._limit_bytes:
+            raise OutboundOverflow(f"{self._bytes} bytes unread")
+        self._bytes += size
+        self._items.append(_Item(event, epoch, size))
         self._wake.set()
 
     def put_front(self, event: session_pb2.ServerEvent) -> None:
         """Queue an event ahead of everything else (``opened`` on a resumed stream)."""
         if not self._closed:
-            self._items.appendleft(_Item(event, None))
+            size = event.ByteSize()
+            self._bytes += size
+            self._items.appendleft(_Item(event, None, size))
             self._wake.set()
 
     def purge_before(self, epoch: int) -> int:
@@ -65,6 +76,7 @@ class Outbound:
         dropped = len(self._items) - len(keep)
         if dropped:
             self._items = keep
+            self._bytes = sum(i.size for i in keep)
             DROPPED["purged"].inc(dropped)
         return dropped
 
@@ -90,6 +102,7 @@ class Outbound:
                 return None
             while self._items:
                 item = self._items.popleft()
+                self._bytes -= item.size
                 if item.epoch is not None and item.epoch < self._current_epoch():
                     DROPPED["stale_epoch"].inc()
                     continue

@@ -129,6 +129,12 @@ class _Shutdown:
 _MailItem = _Inbound | _Silence | _Shutdown
 
 
+#: Bounds of ``turn_detection.silence_ms`` (checked here so a bad value fails the open or
+#: update with a clear code instead of a worker rejection later).
+MIN_SILENCE_MS = 100
+MAX_SILENCE_MS = 10_000
+
+
 def settings_from_proto(
     cfg: session_pb2.SessionConfig,
     base: SessionSettings | None,
@@ -153,6 +159,12 @@ def settings_from_proto(
         output_format = PcmFormat(input_format.encoding, input_format.sample_rate_hz, 1)
     if cfg.HasField("turn_detection"):
         td = cfg.turn_detection
+        if td.silence_ms and not MIN_SILENCE_MS <= td.silence_ms <= MAX_SILENCE_MS:
+            raise BadEventError(
+                ErrorCode.INVALID_CONFIG,
+                "turn_detection.silence_ms must be 0 (the model's default) "
+                f"or in [{MIN_SILENCE_MS}, {MAX_SILENCE_MS}]",
+            )
         turn = TurnDetection(auto_respond=td.auto_respond, silence_ms=td.silence_ms, barge_in=td.barge_in)
     else:
         turn = base.turn_detection if base is not None else (default_turn or TurnDetection())
@@ -169,7 +181,19 @@ def settings_from_proto(
     )
 
 
+#: Largest ``extra_body`` accepted. Checked on the wire size (computed in C) before the
+#: pure-Python conversion, which a huge Struct would otherwise run on the event loop.
+MAX_EXTRA_BODY_BYTES = 16 * 1024
+
+
 def struct_to_dict(s: struct_pb2.Struct) -> dict[str, object]:
+    """A client Struct as a dict; raises ``invalid_runtime_config`` when it is too large."""
+    size = s.ByteSize()
+    if size > MAX_EXTRA_BODY_BYTES:
+        raise BadEventError(
+            ErrorCode.INVALID_RUNTIME_CONFIG,
+            f"extra_body is {size} bytes; the limit is {MAX_EXTRA_BODY_BYTES}",
+        )
     out: dict[str, object] = json_format.MessageToDict(s)
     return out
 
@@ -216,7 +240,9 @@ class SessionRunner:
         )
         self.link: WorkerHandle | None = None
         self._bind(link)
-        self.outbound = Outbound(lambda: self.epoch, limit=self._cfg.outbound_limit)
+        self.outbound = Outbound(
+            lambda: self.epoch, limit=self._cfg.outbound_limit, limit_bytes=self._cfg.outbound_limit_bytes
+        )
         self._mailbox: asyncio.Queue[_MailItem] = asyncio.Queue(self._cfg.mailbox_size)
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -335,7 +361,9 @@ class SessionRunner:
     async def _next_item(self) -> _MailItem | None:
         if not self._mailbox.empty():  # the common case under load: no timer, no suspension
             return self._mailbox.get_nowait()
-        idle = float(self.settings.idle_timeout_s or self._cfg.idle_timeout_s)
+        # A client may shorten the operator's idle timeout, never extend it: an abandoned
+        # session must not pin capacity longer than the operator allows.
+        idle = float(min(self.settings.idle_timeout_s or self._cfg.idle_timeout_s, self._cfg.idle_timeout_s))
         wait = max(0.05, self._last_client + idle - time.monotonic())
         try:
             async with asyncio.timeout(wait):

@@ -10,7 +10,7 @@ import sys
 
 import grpc
 
-from duplex.serving import SERVER_OPTIONS, Health, add_reflection, bind, serve_metrics, split_host_port
+from duplex.serving import Health, add_reflection, bind, serve_metrics, server_options, split_host_port
 from duplex.v1 import session_pb2_grpc
 from session_service.config import ServiceConfig
 from session_service.plugin import DuplexModelPlugin
@@ -41,7 +41,9 @@ async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
     )
     manager = SessionManager(plugin=plugin, config=cfg, registry=registry, placer=pool.place)
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    # One client event is at most an append of max_append_bytes (plus its envelope) or a small
+    # config; anything bigger is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
+    server = grpc.aio.server(options=server_options(max_receive_bytes=plugin.max_append_bytes + 64 * 1024))
     session_pb2_grpc.add_DuplexSessionServicer_to_server(
         DuplexSessionServicer(manager, open_timeout_s=cfg.open_timeout_s), server
     )

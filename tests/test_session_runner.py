@@ -364,6 +364,42 @@ async def test_idle_session_closes() -> None:
     assert kinds(evs) == ["closed"] and evs[0].closed.reason == "idle_timeout"
 
 
+async def test_a_client_may_shorten_the_idle_timeout_but_never_extend_it() -> None:
+    import dataclasses
+
+    r = make_runner(FakeLink(), idle_timeout_s=0.2)
+    r.settings = dataclasses.replace(r.settings, idle_timeout_s=4_000_000_000)
+    await asyncio.wait_for(r.wait_closed(), 2.0)
+    assert drain(r)[-1].closed.reason == "idle_timeout"
+
+
+async def test_a_client_that_stops_reading_is_cut_off_by_bytes_not_only_by_count() -> None:
+    r = make_runner(FakeLink(), outbound_limit_bytes=64 * 1024)
+    await start_response(r)
+    for _ in range(20):  # 20 x 1 KiB frames fit
+        audio(r, 1, 1, pcm=b"\x00" * 1024)
+    assert not r.closed
+    for _ in range(60):  # another 60 KiB does not: the session closes as a slow consumer
+        audio(r, 1, 1, pcm=b"\x00" * 1024)
+    assert r.closed
+
+
+def test_extra_body_size_is_checked_before_conversion() -> None:
+    from google.protobuf import struct_pb2
+
+    from duplex.errors import BadEventError
+    from session_service.runner import MAX_EXTRA_BODY_BYTES, struct_to_dict
+
+    ok = struct_pb2.Struct()
+    ok.update({"pitch_semitones": 3.0})
+    assert struct_to_dict(ok) == {"pitch_semitones": 3.0}
+    big = struct_pb2.Struct()
+    big.update({f"k{i}": "v" * 64 for i in range(MAX_EXTRA_BODY_BYTES // 64)})
+    with pytest.raises(BadEventError) as err:
+        struct_to_dict(big)
+    assert err.value.code == "invalid_runtime_config"
+
+
 async def test_silence_is_fed_while_a_response_runs_without_input() -> None:
     link = FakeLink()
     r = make_runner(link, max_silence_frames=3)

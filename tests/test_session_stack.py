@@ -215,6 +215,16 @@ async def test_bad_input_gets_its_code_and_other_sessions_are_unaffected(stack: 
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "invalid_runtime_config",
             ),
+            "huge extra_body": (
+                open_event(extra_body={f"k{i}": "v" * 32 for i in range(600)}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid_runtime_config",
+            ),
+            "silence out of range": (
+                open_event(turn_detection=session_pb2.TurnDetection(auto_respond=True, silence_ms=20_000)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid_config",
+            ),
             "wrong model": (
                 open_event(model="gpt-voice"),
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -241,6 +251,13 @@ async def test_bad_input_gets_its_code_and_other_sessions_are_unaffected(stack: 
                 c.status,
                 c.error,
             )
+
+        # A message far beyond any valid event is refused by gRPC before it is parsed.
+        huge = Conversation(ch).start(open_event())
+        await huge.wait_kind("opened")
+        huge.send(_append(1, b"\x00" * (2 * 1024 * 1024)))
+        await huge.wait_done()
+        assert huge.status == grpc.StatusCode.RESOURCE_EXHAUSTED
 
         bad = Conversation(ch).start(
             session_pb2.ClientEvent(event_id="early", commit=session_pb2.InputAudioCommit())
