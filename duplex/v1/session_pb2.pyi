@@ -68,8 +68,8 @@ class TurnDetection(_message.Message):
     When false the client commits and creates responses itself.
     """
     silence_ms: _builtins.int
-    """Silence after speech that ends a user turn, in milliseconds
-    (0 = the model's default).
+    """Silence after speech that ends a user turn, in milliseconds: 0 (the
+    model's default) or 100..10000; anything else is "invalid_config".
     """
     barge_in: _builtins.bool
     """When true (the default set by `open` when TurnDetection is absent), user
@@ -108,7 +108,7 @@ class SessionConfig(_message.Message):
     """
     idle_timeout_s: _builtins.int
     """Close the session after this many seconds without client events
-    (0 = the server default).
+    (0 = the server default). It can shorten the server's timeout, not extend it.
     """
     @_builtins.property
     def input_format(self) -> _common_pb2.AudioFormat:
@@ -166,7 +166,8 @@ class SessionOpen(_message.Message):
     @_builtins.property
     def extra_body(self) -> _struct_pb2.Struct:
         """Model-specific options, validated by the plugin. Keys the plugin reserves
-        for itself are rejected with code "private_runtime_key".
+        for itself are rejected with code "private_runtime_key"; more than 16 KiB
+        (encoded) is "invalid_runtime_config".
         """
 
     def __init__(
@@ -640,7 +641,11 @@ Global___SessionUpdated: _TypeAlias = SessionUpdated  # noqa: Y015
 
 @_typing.final
 class InputAudioAck(_message.Message):
-    """Input audio up to and including `seq` has been handed on to the model."""
+    """Input audio up to and including `seq` has been handed on to the model.
+    Acks are held while more than about 2 s of the session's input waits
+    unconsumed at the model (backpressure): a client that bounds its unacked
+    audio never overruns the model's input queue.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
