@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
 import uuid
@@ -22,7 +23,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument("--idle-timeout-s", type=float, default=300.0)
-    p.add_argument("--resume-secret", default="", help="HMAC key for resume tokens (default: random)")
+    p.add_argument(
+        "--resume-secret",
+        default="",
+        help="HMAC key for resume tokens, shared by all replicas "
+        "(default: $DUPLEX_RESUME_SECRET, else random per process)",
+    )
+    p.add_argument(
+        "--resume-max-age-s", type=float, default=86_400.0, help="how long a resume token stays valid"
+    )
     p.add_argument("--replica-id", default="", help="owner id towards workers (default: random)")
     p.add_argument("--drain-grace-s", type=float, default=10.0)
     p.add_argument(
@@ -42,6 +51,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _resume_secret(flag: str | None) -> bytes:
+    # The environment keeps the secret out of the process list; replicas that share it can
+    # resume each other's sessions. Without one, tokens work on this process only.
+    value = flag or os.environ.get("DUPLEX_RESUME_SECRET", "")
+    return value.encode() if value else secrets.token_bytes(32)
+
+
 def config_from_args(argv: list[str]) -> ServiceConfig:
     args = _parser().parse_args(argv)
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
@@ -52,6 +68,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
             split_host_port(w)
     except ValueError as exc:
         raise SystemExit(f"duplex session: {exc}") from exc
+    if args.resume_max_age_s <= 0:
+        raise SystemExit("duplex session: --resume-max-age-s must be positive")
     if args.max_unconsumed_input_ms < 0:
         raise SystemExit("duplex session: --max-unconsumed-input-ms must not be negative")
     if args.max_sessions < 1 or args.idle_timeout_s <= 0:
@@ -63,7 +81,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         max_sessions=args.max_sessions,
-        resume_secret=args.resume_secret.encode() if args.resume_secret else secrets.token_bytes(32),
+        resume_secret=_resume_secret(args.resume_secret),
+        resume_max_age_s=args.resume_max_age_s,
         replica_id=args.replica_id or f"session-{uuid.uuid4().hex[:12]}",
         drain_grace_s=args.drain_grace_s,
         runner=RunnerConfig(

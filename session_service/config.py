@@ -48,6 +48,9 @@ class ServiceConfig:
     """Port of the ``/metrics`` endpoint; 0 picks a free port."""
     max_sessions: int = 256
     """Most concurrent sessions this replica accepts (RESOURCE_EXHAUSTED beyond)."""
+    resume_max_age_s: float = 86_400.0
+    """How long a resume token stays valid after it was issued (``go_away`` and resumes hand out
+    fresh ones)."""
     resume_secret: bytes = b""
     """HMAC key of resume tokens; replicas that share it can resume each other's sessions."""
     replica_id: str = ""

@@ -1,15 +1,392 @@
-"""Resume tokens: ``HMAC-SHA256(secret, session_id)``, so any replica with the secret can verify."""
+"""Resume tokens: signed, versioned, expiring carriers of a session's state between replicas.
+
+A replica that takes a session over (after ``go_away``, or when the client reconnects
+elsewhere) never saw its ``open``. The token therefore carries what it needs to rebuild the
+session: the effective settings (formats, turn detection, instructions, modalities, idle
+timeout), the client-visible runtime options (``extra_body``, e.g. ``pitch_semitones``), the
+plugin id and the issue time. Layout (ASCII, URL-safe)::
+
+    v1.<payload>.<mac>
+    payload = base64url(compact JSON claims), no padding
+    mac     = base64url(HMAC-SHA256(secret, "duplex.resume." + "v1." + payload)), no padding
+
+Claims: ``sid`` session id, ``iat`` issue time (Unix seconds), ``m`` plugin id, ``s`` settings
+(``i``/``o`` input/output format as ``[encoding, rate, channels]``, ``td`` turn detection as
+``[auto_respond, silence_ms, barge_in]``, ``ins`` instructions, ``mod`` modalities, ``idle``
+idle timeout), ``x`` client ``extra_body``. The payload is signed, not encrypted: it holds
+nothing the client did not send itself. Any replica with the shared secret verifies it
+(constant-time compare) before reading a single claim; a token older than the max age, issued
+in the future, over ``MAX_TOKEN_CHARS``, of an unknown version or for another session is
+refused with ``UNAUTHENTICATED/invalid_resume_token``. The taking-over replica re-validates
+``extra_body`` through its plugin, so even a signed token cannot smuggle private keys in.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from duplex.audio import PcmFormat
+from duplex.errors import DuplexError, ErrorCode, UnauthenticatedError
+from duplex.v1 import common_pb2
+from session_service.plugin import DuplexModelPlugin, SessionSettings, TurnDetection
+
+VERSION = "v1"
+"""The token layout this module issues (and the only one it accepts)."""
+DEFAULT_MAX_AGE_S = 3600.0
+"""How long a token is accepted after it was issued."""
+MAX_CLOCK_SKEW_S = 60.0
+"""How far in the future an issue time may lie (replica clocks differ a little)."""
+MAX_TOKEN_CHARS = 8192
+"""Upper bound of a token's length: longer ones are neither issued nor parsed."""
+
+_MAC_CONTEXT = b"duplex.resume."
+_MAC_CHARS = 43  # base64url of 32 bytes, unpadded
 
 
-def resume_token(secret: bytes, session_id: str) -> str:
-    return hmac.new(secret, session_id.encode(), hashlib.sha256).hexdigest()
+class InvalidResumeTokenError(UnauthenticatedError):
+    """The token is not one this deployment issued for this session, or no longer valid."""
+
+    def __init__(self, message: str = "invalid resume token") -> None:
+        super().__init__(ErrorCode.INVALID_RESUME_TOKEN, message)
 
 
-def verify_resume_token(secret: bytes, session_id: str, token: str) -> bool:
-    # compare_digest: no timing side channel on how much of a guessed token was right.
-    return bool(session_id) and hmac.compare_digest(resume_token(secret, session_id), token)
+class ResumeTokenTooLargeError(ValueError):
+    """The session's state does not fit in ``MAX_TOKEN_CHARS`` (very long instructions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeClaims:
+    """What a resume token says about its session."""
+
+    session_id: str
+    issued_at: int
+    """Unix seconds."""
+    model: str = ""
+    """The plugin id of the replica that issued it."""
+    settings: SessionSettings | None = None
+    """None only in a bare token (``resume_token``), which cannot take a session over."""
+    extra_body: Mapping[str, object] = field(default_factory=dict)
+    """Client-visible runtime options, as a client would send them in ``open.extra_body``."""
+
+    def same_state(self, other: ResumeClaims) -> bool:
+        """Whether both describe the same session state (the issue time aside)."""
+        return (self.session_id, self.model, self.settings, dict(self.extra_body)) == (
+            other.session_id,
+            other.model,
+            other.settings,
+            dict(other.extra_body),
+        )
+
+
+class RunnerLike(Protocol):
+    """What ``resume_token_for`` reads from a session runner."""
+
+    session_id: str
+    settings: SessionSettings
+    runtime_config: dict[str, object]
+
+
+# ---- encoding ----------------------------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    # Strict: only the URL-safe alphabet, canonical (re-encoding gives the same text).
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(data) != text:
+        raise ValueError("non-canonical base64")
+    return data
+
+
+def _mac(secret: bytes, signed: str) -> str:
+    return _b64(hmac.new(secret, _MAC_CONTEXT + signed.encode("ascii"), hashlib.sha256).digest())
+
+
+def _fmt(f: PcmFormat) -> list[int]:
+    return [f.encoding, f.sample_rate_hz, f.channels]
+
+
+def _settings_claim(s: SessionSettings) -> dict[str, object]:
+    td = s.turn_detection
+    return {
+        "i": _fmt(s.input_format),
+        "o": _fmt(s.output_format),
+        "td": [td.auto_respond, td.silence_ms, td.barge_in],
+        "ins": s.instructions,
+        "mod": list(s.modalities),
+        "idle": s.idle_timeout_s,
+    }
+
+
+def issue(secret: bytes, claims: ResumeClaims) -> str:
+    """Sign ``claims``; raises ``ResumeTokenTooLargeError`` past ``MAX_TOKEN_CHARS``."""
+    body: dict[str, object] = {"sid": claims.session_id, "iat": int(claims.issued_at)}
+    if claims.model:
+        body["m"] = claims.model
+    if claims.settings is not None:
+        body["s"] = _settings_claim(claims.settings)
+    if claims.extra_body:
+        body["x"] = dict(claims.extra_body)
+    raw = json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+    signed = f"{VERSION}.{_b64(raw.encode())}"
+    token = f"{signed}.{_mac(secret, signed)}"
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ResumeTokenTooLargeError(
+            f"the session state needs a {len(token)}-character resume token (at most {MAX_TOKEN_CHARS}): "
+            "shorten the instructions"
+        )
+    return token
+
+
+# ---- decoding ----------------------------------------------------------------------------------
+
+
+def _int(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _bool(v: object) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected a boolean, got {type(v).__name__}")
+    return v
+
+
+def _str(v: object) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _list(v: object, n: int | None = None) -> list[object]:
+    if not isinstance(v, list) or (n is not None and len(v) != n):
+        raise ValueError("expected a list" + (f" of {n}" if n is not None else ""))
+    return v
+
+
+def _parse_fmt(v: object) -> PcmFormat:
+    enc, rate, ch = (_int(x) for x in _list(v, 3))
+    # The wire validation: only formats an open could have set.
+    return PcmFormat.from_proto(
+        common_pb2.AudioFormat(encoding=enc, sample_rate_hz=rate, channels=ch)  # type: ignore[arg-type]
+    )
+
+
+def _parse_settings(v: object) -> SessionSettings:
+    if not isinstance(v, dict):
+        raise ValueError("settings must be an object")
+    auto, silence, barge = _list(v["td"], 3)
+    modalities = tuple(_str(m) for m in _list(v["mod"]))
+    if not modalities or any(m not in ("audio", "text") for m in modalities):
+        raise ValueError("bad modalities")
+    return SessionSettings(
+        input_format=_parse_fmt(v["i"]),
+        output_format=_parse_fmt(v["o"]),
+        instructions=_str(v["ins"]),
+        turn_detection=TurnDetection(
+            auto_respond=_bool(auto), silence_ms=_int(silence), barge_in=_bool(barge)
+        ),
+        modalities=modalities,
+        idle_timeout_s=_int(v["idle"]),
+    )
+
+
+def decode(
+    secret: bytes,
+    token: str,
+    *,
+    session_id: str,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    now: float | None = None,
+) -> ResumeClaims:
+    """Verify ``token`` for ``session_id`` and return its claims; raises ``InvalidResumeTokenError``."""
+    if not session_id or not token or len(token) > MAX_TOKEN_CHARS or not token.isascii():
+        raise InvalidResumeTokenError()
+    version, _, rest = token.partition(".")
+    payload, _, mac = rest.partition(".")
+    if version != VERSION or not payload or len(mac) != _MAC_CHARS:
+        raise InvalidResumeTokenError()
+    # compare_digest: no timing side channel on how much of a forged MAC was right.
+    if not hmac.compare_digest(_mac(secret, f"{version}.{payload}"), mac):
+        raise InvalidResumeTokenError()
+    try:
+        body = json.loads(_unb64(payload))
+        if not isinstance(body, dict):
+            raise ValueError("claims must be an object")
+        claims = ResumeClaims(
+            session_id=_str(body["sid"]),
+            issued_at=_int(body["iat"]),
+            model=_str(body.get("m", "")),
+            settings=_parse_settings(body["s"]) if "s" in body else None,
+            extra_body=_extra(body.get("x", {})),
+        )
+    except (ValueError, KeyError, TypeError, binascii.Error, DuplexError) as exc:
+        # Signed but unreadable: a bug or an incompatible issuer, never the client's doing.
+        raise InvalidResumeTokenError(f"unreadable resume token: {exc}") from exc
+    if not hmac.compare_digest(claims.session_id.encode(), session_id.encode()):
+        raise InvalidResumeTokenError()
+    t = time.time() if now is None else now
+    if claims.issued_at > t + MAX_CLOCK_SKEW_S:
+        raise InvalidResumeTokenError("resume token issued in the future")
+    if t - claims.issued_at > max_age_s:
+        raise InvalidResumeTokenError("resume token expired")
+    return claims
+
+
+def _extra(v: object) -> dict[str, object]:
+    if not isinstance(v, dict):
+        raise ValueError("extra_body must be an object")
+    return dict(v)
+
+
+# ---- what a session's token says ---------------------------------------------------------------
+
+
+def _json_value(v: object) -> bool:
+    if v is None or isinstance(v, str | bool | int):
+        return True
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, list | tuple):
+        return all(_json_value(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _json_value(x) for k, x in v.items())
+    return False
+
+
+def client_extra_body(
+    plugin: DuplexModelPlugin,
+    runtime_config: Mapping[str, object],
+    base: Mapping[str, object] | None = None,
+) -> dict[str, object]:
+    """The ``extra_body`` that rebuilds ``runtime_config`` through ``prepare_runtime_config``.
+
+    ``base`` is the client's validated ``extra_body`` of the open; over it go the runtime
+    options a client could have set itself (the key is not private, the value is plain JSON and
+    the plugin accepts it as ``extra_body``), which reflects later updates. A runtime option
+    that is None now is unset, and leaves the result too.
+    """
+    out: dict[str, object] = dict(base or {})
+    out.pop("model", None)
+    private = plugin.private_runtime_config_keys
+    for key, value in runtime_config.items():
+        if key == "model" or key in private:
+            continue
+        if value is None:
+            out.pop(key, None)
+            continue
+        if not _json_value(value):
+            continue
+        try:
+            plugin.validate_client_extra_body({key: value})
+        except DuplexError:
+            continue  # server-derived state, not a client option
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def claims_for(
+    source: RunnerLike | SessionSettings,
+    *,
+    plugin: DuplexModelPlugin,
+    session_id: str = "",
+    runtime_config: Mapping[str, object] | None = None,
+    client_extra: Mapping[str, object] | None = None,
+    now: float | None = None,
+) -> ResumeClaims:
+    """The claims describing a session now (``source``: its runner, or its settings)."""
+    if isinstance(source, SessionSettings):
+        settings, sid, runtime = source, session_id, runtime_config or {}
+    else:
+        settings, sid = source.settings, source.session_id
+        runtime = source.runtime_config if runtime_config is None else runtime_config
+    if not sid:
+        raise ValueError("a resume token needs the session id")
+    return ResumeClaims(
+        session_id=sid,
+        issued_at=int(time.time() if now is None else now),
+        model=plugin.plugin_id,
+        settings=settings,
+        extra_body=client_extra_body(plugin, runtime, client_extra),
+    )
+
+
+def resume_token_for(
+    source: RunnerLike | SessionSettings,
+    *,
+    secret: bytes,
+    plugin: DuplexModelPlugin,
+    session_id: str = "",
+    runtime_config: Mapping[str, object] | None = None,
+    client_extra: Mapping[str, object] | None = None,
+    now: float | None = None,
+) -> str:
+    """A fresh token for the session's current settings and runtime options (see ``claims_for``);
+    raises ``ResumeTokenTooLargeError``."""
+    return issue(
+        secret,
+        claims_for(
+            source,
+            plugin=plugin,
+            session_id=session_id,
+            runtime_config=runtime_config,
+            client_extra=client_extra,
+            now=now,
+        ),
+    )
+
+
+# ---- bare tokens -------------------------------------------------------------------------------
+
+
+def resume_token(secret: bytes, session_id: str, *, now: float | None = None) -> str:
+    """A token that proves knowledge of the session but carries no state (cannot take over)."""
+    return issue(
+        secret, ResumeClaims(session_id=session_id, issued_at=int(time.time() if now is None else now))
+    )
+
+
+def verify_resume_token(
+    secret: bytes,
+    session_id: str,
+    token: str,
+    *,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    now: float | None = None,
+) -> bool:
+    """Whether ``token`` is valid for ``session_id`` (signature, session, age)."""
+    try:
+        decode(secret, token, session_id=session_id, max_age_s=max_age_s, now=now)
+    except InvalidResumeTokenError:
+        return False
+    return True
+
+
+__all__: list[str] = [
+    "DEFAULT_MAX_AGE_S",
+    "MAX_TOKEN_CHARS",
+    "VERSION",
+    "InvalidResumeTokenError",
+    "ResumeClaims",
+    "ResumeTokenTooLargeError",
+    "claims_for",
+    "client_extra_body",
+    "decode",
+    "issue",
+    "resume_token",
+    "resume_token_for",
+    "verify_resume_token",
+]

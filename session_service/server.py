@@ -39,7 +39,13 @@ async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
         attach_timeout_s=cfg.attach_timeout_s,
         backoff_max_s=cfg.worker_backoff_max_s,
     )
-    manager = SessionManager(plugin=plugin, config=cfg, registry=registry, placer=pool.place)
+    manager = SessionManager(
+        plugin=plugin,
+        config=cfg,
+        registry=registry,
+        placer=pool.place,
+        resume_max_age_s=cfg.resume_max_age_s,
+    )
 
     # One client event is at most an append of max_append_bytes (plus its envelope) or a small
     # config; anything bigger is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).

@@ -1,11 +1,21 @@
-"""Opening, resuming, counting and draining the sessions of this replica."""
+"""Opening, resuming, counting and draining the sessions of this replica.
+
+A resume either re-binds the stream to the live runner of this replica or takes the session
+over from another one, rebuilding its settings and runtime config from the signed resume token
+(see ``session_service.resume``). Resumes of one session id are serialized: a second resume
+that arrives while the first is taking the session over waits for it and then re-binds to the
+runner it created, so a replica never holds two runners of one session.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 
 from duplex.errors import (
     BadRequestError,
@@ -13,14 +23,21 @@ from duplex.errors import (
     DuplexError,
     ErrorCode,
     FencedError,
-    UnauthenticatedError,
     UnavailableError,
 )
 from duplex.v1 import session_pb2
 from session_service.config import ServiceConfig
 from session_service.metrics import ACTIVE_SESSIONS
-from session_service.plugin import DuplexModelPlugin
-from session_service.resume import resume_token, verify_resume_token
+from session_service.plugin import DuplexModelPlugin, SessionSettings
+from session_service.resume import (
+    DEFAULT_MAX_AGE_S,
+    InvalidResumeTokenError,
+    ResumeClaims,
+    ResumeTokenTooLargeError,
+    claims_for,
+    decode,
+    issue,
+)
 from session_service.routing import SessionRegistry
 from session_service.runner import Placer, RunnerDeps, SessionRunner, settings_from_proto, struct_to_dict
 
@@ -28,6 +45,12 @@ log = logging.getLogger(__name__)
 
 #: The epoch a brand-new session starts in (0 is proto3's "unset").
 FIRST_EPOCH = 1
+
+
+@dataclass(slots=True)
+class _SessionLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
 
 
 class SessionManager:
@@ -40,15 +63,22 @@ class SessionManager:
         config: ServiceConfig,
         registry: SessionRegistry,
         placer: Placer,
+        resume_max_age_s: float = DEFAULT_MAX_AGE_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._plugin = plugin
         self._cfg = config
         self._registry = registry
         self._placer = placer
         self._secret = config.resume_secret
+        self._max_age_s = resume_max_age_s
+        self._clock = clock
         self.capabilities = plugin.capabilities(max_sessions=config.max_sessions)
         self.draining = False
         self._opening = 0
+        self._locks: dict[str, _SessionLock] = {}
+        # The client's validated open extra_body per live session (the base of its tokens).
+        self._client_extra: dict[str, dict[str, object]] = {}
 
     def __len__(self) -> int:
         return len(self._registry)
@@ -64,6 +94,8 @@ class SessionManager:
 
     def _on_closed(self, runner: SessionRunner) -> None:
         self._registry.remove(runner)
+        if self._registry.get(runner.session_id) is None:
+            self._client_extra.pop(runner.session_id, None)
         ACTIVE_SESSIONS.set(len(self._registry))
 
     def _admit(self) -> None:
@@ -71,6 +103,81 @@ class SessionManager:
             raise UnavailableError(ErrorCode.DRAINING, "this replica is draining; connect to another")
         if len(self._registry) + self._opening >= self._cfg.max_sessions:
             raise CapacityError(ErrorCode.CAPACITY_EXHAUSTED, f"at most {self._cfg.max_sessions} sessions")
+
+    def _check_turn_detection(self, settings: SessionSettings) -> None:
+        if settings.turn_detection.auto_respond and not self.capabilities.turn_detection:
+            raise BadRequestError(
+                ErrorCode.INVALID_CONFIG,
+                f"{self._plugin.plugin_id!r} has no server turn detection: "
+                "set turn_detection.auto_respond=false and commit yourself",
+            )
+
+    # ---- resume tokens ---------------------------------------------------------------------
+
+    def _claims(
+        self,
+        session_id: str,
+        settings: SessionSettings,
+        runtime: Mapping[str, object],
+        client_extra: Mapping[str, object],
+    ) -> ResumeClaims:
+        return claims_for(
+            settings,
+            plugin=self._plugin,
+            session_id=session_id,
+            runtime_config=runtime,
+            client_extra=client_extra,
+            now=self._clock(),
+        )
+
+    def _current_token(self, claims: ResumeClaims, token: str) -> str:
+        """``token`` if it still says what ``claims`` say and is less than half its life old;
+        otherwise a new one (raises ``ResumeTokenTooLargeError``)."""
+        try:
+            held = decode(
+                self._secret,
+                token,
+                session_id=claims.session_id,
+                max_age_s=self._max_age_s / 2,
+                now=self._clock(),
+            )
+        except InvalidResumeTokenError:
+            held = None
+        if held is not None and held.same_state(claims):
+            return token
+        return issue(self._secret, claims)
+
+    def refresh_resume_token(self, runner: SessionRunner) -> str:
+        """Bring ``runner.resume_token`` up to date with its settings (``update``s change them) and
+        return it. A session whose state no longer fits in a token keeps its last one."""
+        claims = self._claims(
+            runner.session_id,
+            runner.settings,
+            runner.runtime_config,
+            self._client_extra.get(runner.session_id, {}),
+        )
+        try:
+            runner.resume_token = self._current_token(claims, runner.resume_token)
+        except ResumeTokenTooLargeError as exc:
+            log.warning("session %s: resume token not refreshed: %s", runner.session_id, exc)
+        return runner.resume_token
+
+    @contextlib.asynccontextmanager
+    async def _session_lock(self, session_id: str) -> AsyncIterator[None]:
+        """Serializes resumes of one session id on this replica."""
+        entry = self._locks.get(session_id)
+        if entry is None:
+            entry = self._locks[session_id] = _SessionLock()
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[session_id]
+
+    # ---- open and resume -------------------------------------------------------------------
 
     async def open(self, msg: session_pb2.SessionOpen) -> SessionRunner:
         """A new session; raises a call-ending DuplexError for a bad open."""
@@ -82,27 +189,25 @@ class SessionManager:
             )
         self._opening += 1
         try:
+            session_id = f"sess_{uuid.uuid4().hex}"
             try:
                 defaults = self._plugin.default_settings()
                 settings = settings_from_proto(
                     msg.config, None, require_input=True, default_turn=defaults.turn_detection
                 )
-                if settings.turn_detection.auto_respond and not self.capabilities.turn_detection:
-                    raise BadRequestError(
-                        ErrorCode.INVALID_CONFIG,
-                        f"{self._plugin.plugin_id!r} has no server turn detection: "
-                        "set turn_detection.auto_respond=false and commit yourself",
-                    )
+                self._check_turn_detection(settings)
                 extra = struct_to_dict(msg.extra_body)
                 model = extra.pop("model", None)
                 if model is not None and model != self._plugin.plugin_id:
                     raise BadRequestError(ErrorCode.MODEL_MISMATCH, f"model {model!r} is not served here")
                 self._plugin.validate_client_extra_body(extra)
                 runtime = await self._plugin.prepare_runtime_config(settings, extra)
+                token = issue(self._secret, self._claims(session_id, settings, runtime, extra))
             except DuplexError as err:
                 # The same stable code, but fatal: a session that cannot start ends the call.
                 raise BadRequestError(err.code, err.message) from err
-            session_id = f"sess_{uuid.uuid4().hex}"
+            except ResumeTokenTooLargeError as exc:
+                raise BadRequestError(ErrorCode.INVALID_CONFIG, str(exc)) from exc
             link, epoch = await self._placer(session_id, FIRST_EPOCH, False)
             runner = SessionRunner(
                 session_id=session_id,
@@ -110,45 +215,85 @@ class SessionManager:
                 runtime_config=runtime,
                 link=link,
                 epoch=epoch,
-                resume_token=resume_token(self._secret, session_id),
+                resume_token=token,
                 deps=self._deps(),
             )
         finally:
             self._opening -= 1
+        self._client_extra[session_id] = extra
         self._start(runner)
         return runner
 
     async def resume(self, msg: session_pb2.SessionResume) -> SessionRunner:
         """Re-bind to a live runner here, or take the session over from another replica."""
-        if not verify_resume_token(self._secret, msg.session_id, msg.resume_token):
-            raise UnauthenticatedError(ErrorCode.INVALID_RESUME_TOKEN, "invalid resume token")
-        runner = self._registry.get(msg.session_id)
-        if runner is not None and not runner.closed:
-            runner.greet()
-            return runner
+        claims = decode(
+            self._secret,
+            msg.resume_token,
+            session_id=msg.session_id,
+            max_age_s=self._max_age_s,
+            now=self._clock(),
+        )
+        async with self._session_lock(msg.session_id):
+            runner = self._registry.get(msg.session_id)
+            if runner is not None and not runner.closed:
+                self.refresh_resume_token(runner)
+                runner.greet()
+                return runner
+            return await self._take_over(claims, msg.resume_token)
+
+    async def _restore(
+        self, claims: ResumeClaims
+    ) -> tuple[SessionSettings, dict[str, object], dict[str, object]]:
+        """Settings, client extra_body and runtime config of a session from its token's claims."""
+        if claims.settings is None:
+            raise InvalidResumeTokenError("the resume token carries no session state")
+        if claims.model != self._plugin.plugin_id:
+            raise BadRequestError(
+                ErrorCode.MODEL_MISMATCH,
+                f"the session ran model {claims.model!r}; this replica serves {self._plugin.plugin_id!r}",
+            )
+        settings = claims.settings
+        self._check_turn_detection(settings)
+        extra = dict(claims.extra_body)
+        try:
+            # Signed is not trusted: an older issuer may have let through what this plugin refuses.
+            self._plugin.validate_client_extra_body(extra)
+        except DuplexError as err:
+            raise InvalidResumeTokenError(f"resume token options refused: {err.message}") from err
+        try:
+            runtime = await self._plugin.prepare_runtime_config(settings, extra)
+        except DuplexError as err:
+            raise BadRequestError(err.code, err.message) from err
+        return settings, extra, runtime
+
+    async def _take_over(self, claims: ResumeClaims, token: str) -> SessionRunner:
         self._admit()
         self._opening += 1
         try:
-            settings = self._plugin.default_settings()
-            runtime = await self._plugin.prepare_runtime_config(settings, {})
+            settings, extra, runtime = await self._restore(claims)
+            try:
+                token = self._current_token(self._claims(claims.session_id, settings, runtime, extra), token)
+            except ResumeTokenTooLargeError:
+                pass  # the presented token still describes the session as it was
             try:
                 # takeover: the worker grants a higher epoch, fencing the previous owner out.
-                link, epoch = await self._placer(msg.session_id, FIRST_EPOCH, True)
+                link, epoch = await self._placer(claims.session_id, FIRST_EPOCH, True)
             except DuplexError as err:
                 if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
                     raise FencedError(ErrorCode.FENCED, f"session is fenced: {err.message}") from err
                 raise
             runner = SessionRunner(
-                session_id=msg.session_id,
+                session_id=claims.session_id,
                 settings=settings,
                 runtime_config=runtime,
                 link=link,
                 epoch=epoch,
-                resume_token=msg.resume_token,
+                resume_token=token,
                 deps=self._deps(),
             )
         finally:
             self._opening -= 1
+        self._client_extra[claims.session_id] = extra
         self._start(runner)
         return runner
 
@@ -163,6 +308,8 @@ class SessionManager:
         self.draining = True
         runners = list(self._registry)
         for r in runners:
+            # The token must describe the session as it is now (updates may have changed it).
+            self.refresh_resume_token(r)
             r.go_away("draining")
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_s):

@@ -1,0 +1,450 @@
+"""Resume tokens and resumes at the SessionManager level, with fake worker links (no processes).
+
+A session taken over by another replica (the drain path) keeps its formats, turn detection,
+instructions and extra_body, carried by the signed token; tampered, expired and foreign tokens
+are refused with UNAUTHENTICATED/invalid_resume_token; concurrent resumes of one session yield
+one runner; the token stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import pytest
+
+from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat
+from duplex.errors import DuplexError, ErrorCode
+from duplex.v1 import session_pb2, worker_pb2
+from session_service import resume
+from session_service.config import ServiceConfig
+from session_service.plugin import SessionSettings, TurnDetection
+from session_service.plugins.parrot import ParrotPlugin
+from session_service.routing import SessionRegistry
+from session_service.runner import SessionRunner, WorkerHandle
+from session_service.sessions import SessionManager
+
+SECRET = b"shared-resume-secret"
+T0 = 1_700_000_000.0
+IN_FMT = PcmFormat(F32LE, 48000, 2)
+OUT_FMT = PcmFormat(S16LE, 24000, 1)
+
+
+class FakeLink:
+    """Records what runners hand to the worker; every write succeeds at once."""
+
+    address = "fake:1"
+
+    def __init__(self) -> None:
+        self.healthy = True
+        self.subs: list[worker_pb2.Submission] = []
+        self.releases: list[worker_pb2.Release] = []
+
+    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.subs.extend(subs)
+        fut.set_result(None)
+        return fut
+
+    def abort(self, abort: worker_pb2.Abort) -> None:
+        pass
+
+    def release(self, release: worker_pb2.Release) -> None:
+        self.releases.append(release)
+
+
+class FakePlacer:
+    """Places every session on one link; a takeover is granted a higher epoch."""
+
+    def __init__(self, *, hold: asyncio.Event | None = None) -> None:
+        self.link = FakeLink()
+        self.calls: list[tuple[str, int, bool]] = []
+        self.hold = hold
+
+    async def __call__(self, session_id: str, epoch: int, takeover: bool) -> tuple[WorkerHandle, int]:
+        self.calls.append((session_id, epoch, takeover))
+        if self.hold is not None:
+            await self.hold.wait()
+        return self.link, epoch + 1 if takeover else epoch
+
+
+class Clock:
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def replica(
+    *, secret: bytes = SECRET, clock: Clock | None = None, placer: FakePlacer | None = None, **kw: object
+) -> tuple[SessionManager, FakePlacer]:
+    placer = placer or FakePlacer()
+    cfg = ServiceConfig(plugin="parrot", workers=("fake:1",), resume_secret=secret, max_sessions=8)
+    manager = SessionManager(
+        plugin=ParrotPlugin(),
+        config=cfg,
+        registry=SessionRegistry(),
+        placer=placer,
+        clock=clock or Clock(),
+        **kw,  # type: ignore[arg-type]
+    )
+    return manager, placer
+
+
+def open_msg(
+    *, instructions: str = "answer briefly", extra: dict[str, Any] | None = None
+) -> session_pb2.SessionOpen:
+    cfg = session_pb2.SessionConfig(
+        input_format=IN_FMT.to_proto(),
+        output_format=OUT_FMT.to_proto(),
+        instructions=instructions,
+        turn_detection=session_pb2.TurnDetection(auto_respond=False, silence_ms=700, barge_in=False),
+        modalities=["audio", "text"],
+        idle_timeout_s=42,
+    )
+    msg = session_pb2.SessionOpen(model="parrot", config=cfg)
+    msg.extra_body.update({"pitch_semitones": 7} if extra is None else extra)
+    return msg
+
+
+def resume_msg(runner_or_id: SessionRunner | str, token: str | None = None) -> session_pb2.SessionResume:
+    if isinstance(runner_or_id, SessionRunner):
+        return session_pb2.SessionResume(
+            session_id=runner_or_id.session_id, resume_token=token or runner_or_id.resume_token
+        )
+    return session_pb2.SessionResume(session_id=runner_or_id, resume_token=token or "")
+
+
+EXPECTED = SessionSettings(
+    input_format=IN_FMT,
+    output_format=OUT_FMT,
+    instructions="answer briefly",
+    turn_detection=TurnDetection(auto_respond=False, silence_ms=700, barge_in=False),
+    modalities=("audio", "text"),
+    idle_timeout_s=42,
+)
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def events(r: SessionRunner) -> list[session_pb2.ServerEvent]:
+    out = []
+    while len(r.outbound):
+        out.append(r.outbound._items.popleft().event)
+    return out
+
+
+async def close_all(*managers: SessionManager) -> None:
+    for m in managers:
+        await m.drain(0)
+
+
+def assert_invalid_token(err: DuplexError) -> None:
+    assert err.code == ErrorCode.INVALID_RESUME_TOKEN
+    assert err.status == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---- the drain path: another replica takes the session over with its settings -------------------
+
+
+async def test_takeover_on_another_replica_restores_settings_and_extra_body() -> None:
+    a, _ = replica()
+    b, placer_b = replica()
+    first = await a.open(open_msg())
+    assert first.settings == EXPECTED
+    taken = await b.resume(resume_msg(first))
+    assert placer_b.calls == [(first.session_id, 1, True)]
+    assert taken.session_id == first.session_id and taken.epoch == 2
+    assert taken.settings == EXPECTED
+    assert taken.runtime_config == first.runtime_config == {"pitch_semitones": 7.0, "silence_ms": None}
+    opened = events(taken)[0].opened
+    assert opened.config == EXPECTED.to_proto() and opened.resume_token == taken.resume_token
+
+    # Raw 48 kHz f32 stereo without a per-append format is read as such: 3072 samples at
+    # 48 kHz are 1024 at 16 kHz, two 512-sample worker frames (misread as 16 kHz s16 mono: 24).
+    pcm = b"\x00\x00\x80\x3e" * 2 * 3072
+    await taken.post(session_pb2.ClientEvent(append=session_pb2.InputAudioAppend(seq=1, pcm=pcm)))
+    await settle()
+    (sub,) = placer_b.link.subs
+    assert len(sub.pcm) == 2 * 512 * PCM16K_MONO.frame_bytes
+    params = dict(sub.params)
+    assert params["pitch_semitones"] == 7.0 and params["auto_commit"] is False
+    assert params["silence_ms"] == 700  # from turn detection, as on the first replica
+    assert [e.WhichOneof("event") for e in events(taken)] == ["input_ack"]
+    await close_all(a, b)
+
+
+async def test_go_away_carries_settings_changed_by_update() -> None:
+    a, _ = replica()
+    b, _ = replica()
+    r = await a.open(open_msg())
+    opened_token = r.resume_token
+    update = session_pb2.SessionUpdate(
+        config=session_pb2.SessionConfig(
+            instructions="speak slowly",
+            turn_detection=session_pb2.TurnDetection(auto_respond=True, silence_ms=300, barge_in=True),
+        )
+    )
+    update.extra_body.update({"pitch_semitones": -3, "silence_ms": 450})
+    await r.post(session_pb2.ClientEvent(update=update))
+    await settle()
+    assert [e.WhichOneof("event") for e in events(r)] == ["opened", "updated"]
+    await a.drain(0)
+    away = next(e.go_away for e in events(r) if e.HasField("go_away"))
+    assert away.reason == "draining" and away.resume_token != opened_token
+    taken = await b.resume(resume_msg(r.session_id, away.resume_token))
+    assert taken.settings.instructions == "speak slowly"
+    assert taken.settings.turn_detection == TurnDetection(auto_respond=True, silence_ms=300, barge_in=True)
+    assert taken.settings.input_format == IN_FMT and taken.settings.output_format == OUT_FMT
+    assert taken.runtime_config == {"pitch_semitones": -3.0, "silence_ms": 450}
+    await close_all(b)
+
+
+async def test_go_away_keeps_a_fresh_token_that_still_describes_the_session() -> None:
+    clock = Clock()
+    a, _ = replica(clock=clock)
+    r = await a.open(open_msg())
+    token = r.resume_token
+    clock.t += 60
+    await a.drain(0)
+    away = next(e.go_away for e in events(r) if e.HasField("go_away"))
+    assert away.resume_token == token
+
+
+async def test_go_away_reissues_a_token_past_half_its_life() -> None:
+    clock = Clock()
+    a, _ = replica(clock=clock, resume_max_age_s=100.0)
+    b, _ = replica(clock=clock, resume_max_age_s=100.0)
+    r = await a.open(open_msg())
+    token = r.resume_token
+    clock.t += 80  # the opened token would expire 20 s from now
+    await a.drain(0)
+    away = next(e.go_away for e in events(r) if e.HasField("go_away"))
+    assert away.resume_token != token
+    assert resume.decode(SECRET, away.resume_token, session_id=r.session_id, now=clock.t).issued_at == int(
+        clock.t
+    )
+    clock.t += 90  # past the opened token's life, within the new one's
+    taken = await b.resume(resume_msg(r.session_id, away.resume_token))
+    assert taken.settings == EXPECTED
+    await close_all(b)
+
+
+async def test_takeover_hands_back_the_presented_token_while_it_is_fresh() -> None:
+    a, _ = replica()
+    b, _ = replica()
+    r = await a.open(open_msg())
+    taken = await b.resume(resume_msg(r))
+    assert taken.resume_token == r.resume_token
+    await close_all(a, b)
+
+
+async def test_same_replica_resume_rebinds_and_refreshes_the_token_after_an_update() -> None:
+    a, placer = replica()
+    r = await a.open(open_msg())
+    again = await a.resume(resume_msg(r))
+    assert again is r and len(placer.calls) == 1
+    assert events(r)[0].opened.resume_token == r.resume_token
+    update = session_pb2.SessionUpdate()
+    update.extra_body.update({"pitch_semitones": 2})
+    old = r.resume_token
+    await r.post(session_pb2.ClientEvent(update=update))
+    await settle()
+    events(r)
+    assert await a.resume(resume_msg(r, old)) is r
+    opened = events(r)[0].opened
+    assert opened.resume_token != old
+    claims = resume.decode(SECRET, opened.resume_token, session_id=r.session_id, now=T0)
+    assert claims.extra_body == {"pitch_semitones": 2.0}
+    await close_all(a)
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+
+async def test_any_flipped_byte_is_refused() -> None:
+    a, _ = replica()
+    b, placer_b = replica()
+    r = await a.open(open_msg())
+    token = r.resume_token
+    for i in range(len(token)):
+        bad = token[:i] + chr(ord(token[i]) ^ 1) + token[i + 1 :]
+        with pytest.raises(DuplexError) as err:
+            await b.resume(resume_msg(r.session_id, bad))
+        assert_invalid_token(err.value)
+    with pytest.raises(DuplexError) as err:
+        await b.resume(resume_msg(r.session_id, token + "A"))
+    assert_invalid_token(err.value)
+    assert placer_b.calls == [] and len(b) == 0
+    await close_all(a)
+
+
+async def test_expired_and_future_tokens_are_refused_on_every_replica() -> None:
+    clock = Clock()
+    a, _ = replica(clock=clock)
+    b, _ = replica(clock=clock)
+    r = await a.open(open_msg())
+    clock.t += resume.DEFAULT_MAX_AGE_S + 1
+    for manager in (a, b):  # the live runner on a does not make an expired token good
+        with pytest.raises(DuplexError) as err:
+            await manager.resume(resume_msg(r))
+        assert_invalid_token(err.value)
+        assert "expired" in err.value.message
+    future = resume.issue(
+        SECRET, resume.ResumeClaims(session_id=r.session_id, issued_at=int(clock.t) + 3600, model="parrot")
+    )
+    with pytest.raises(DuplexError) as err:
+        await b.resume(resume_msg(r.session_id, future))
+    assert_invalid_token(err.value)
+    await close_all(a, b)
+
+
+async def test_a_token_of_another_secret_or_session_is_refused() -> None:
+    a, _ = replica(secret=b"another-deployment")
+    b, _ = replica()
+    r = await a.open(open_msg())
+    other = await b.open(open_msg())
+    for msg in (
+        resume_msg(r),
+        resume_msg(other.session_id, r.resume_token),
+        resume_msg(r.session_id, "0" * 64),
+    ):
+        with pytest.raises(DuplexError) as err:
+            await b.resume(msg)
+        assert_invalid_token(err.value)
+    with pytest.raises(DuplexError) as err:  # a token of a live session names only that session
+        await b.resume(resume_msg(r.session_id, other.resume_token))
+    assert_invalid_token(err.value)
+    await close_all(a, b)
+
+
+async def test_a_signed_token_cannot_inject_private_keys_or_another_model() -> None:
+    b, placer = replica()
+    for extra in ({"threshold": 0.01}, {"pitch_semitones": 99}):
+        claims = resume.ResumeClaims(
+            session_id="sess_x", issued_at=int(T0), model="parrot", settings=EXPECTED, extra_body=extra
+        )
+        with pytest.raises(DuplexError) as err:
+            await b.resume(resume_msg("sess_x", resume.issue(SECRET, claims)))
+        assert_invalid_token(err.value)
+    other_model = resume.ResumeClaims(
+        session_id="sess_x", issued_at=int(T0), model="synthetic", settings=EXPECTED
+    )
+    with pytest.raises(DuplexError) as err:
+        await b.resume(resume_msg("sess_x", resume.issue(SECRET, other_model)))
+    assert err.value.code == ErrorCode.MODEL_MISMATCH
+    bare = resume.resume_token(SECRET, "sess_x", now=T0)  # proves the id, carries no state
+    with pytest.raises(DuplexError) as err:
+        await b.resume(resume_msg("sess_x", bare))
+    assert_invalid_token(err.value)
+    assert placer.calls == [] and len(b) == 0
+
+
+def test_decode_refuses_malformed_tokens_without_reading_claims() -> None:
+    claims = resume.ResumeClaims(session_id="s", issued_at=int(T0), model="parrot", settings=EXPECTED)
+    good = resume.issue(SECRET, claims)
+    assert resume.decode(SECRET, good, session_id="s", now=T0) == claims
+    for bad in ("", "v1", "v1..", good.replace("v1.", "v2.", 1), good + "=", "é" + good, "x" * 10_000):
+        with pytest.raises(resume.InvalidResumeTokenError):
+            resume.decode(SECRET, bad, session_id="s", now=T0)
+    # Signed but not our claims layout (an incompatible issuer): refused, not crashed.
+    payload = resume._b64(json.dumps({"sid": "s", "iat": int(T0), "s": {"i": [1]}}).encode())
+    signed = f"v1.{payload}"
+    with pytest.raises(resume.InvalidResumeTokenError):
+        resume.decode(SECRET, f"{signed}.{resume._mac(SECRET, signed)}", session_id="s", now=T0)
+
+
+# ---- concurrency -------------------------------------------------------------------------------
+
+
+async def test_concurrent_resumes_yield_one_live_runner() -> None:
+    a, _ = replica()
+    hold = asyncio.Event()
+    b, placer_b = replica(placer=FakePlacer(hold=hold))
+    r = await a.open(open_msg())
+    tasks = [asyncio.create_task(b.resume(resume_msg(r))) for _ in range(3)]
+    await settle()
+    assert len(placer_b.calls) == 1  # the others wait for the first takeover
+    hold.set()
+    runners = await asyncio.gather(*tasks)
+    assert runners[0] is runners[1] is runners[2]
+    assert len(b) == 1 and len(placer_b.calls) == 1
+    assert b._locks == {}
+    await close_all(a, b)
+
+
+async def test_a_failed_takeover_lets_the_waiting_resume_try_again() -> None:
+    a, _ = replica()
+    hold = asyncio.Event()
+    placer = FakePlacer(hold=hold)
+    b, _ = replica(placer=placer)
+    r = await a.open(open_msg())
+    first = asyncio.create_task(b.resume(resume_msg(r)))
+    await settle()
+    second = asyncio.create_task(b.resume(resume_msg(r)))
+    await settle()
+    first.cancel()  # the first client hung up while attaching
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    hold.set()
+    runner = await second
+    assert len(b) == 1 and b._registry.get(r.session_id) is runner and len(placer.calls) == 2
+    await close_all(a, b)
+
+
+# ---- size --------------------------------------------------------------------------------------
+
+
+async def test_the_token_is_bounded() -> None:
+    a, _ = replica()
+    r = await a.open(open_msg())
+    assert len(r.resume_token) < 512
+    long = await a.open(open_msg(instructions="x" * 4000))
+    assert len(long.resume_token) <= resume.MAX_TOKEN_CHARS
+    with pytest.raises(DuplexError) as err:
+        await a.open(open_msg(instructions="x" * resume.MAX_TOKEN_CHARS))
+    assert err.value.code == ErrorCode.INVALID_CONFIG
+    assert err.value.status == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(a) == 2
+    await close_all(a)
+
+
+def test_bare_token_helpers_keep_their_meaning() -> None:
+    tok = resume.resume_token(SECRET, "sess_1")
+    assert resume.verify_resume_token(SECRET, "sess_1", tok)
+    assert not resume.verify_resume_token(b"other", "sess_1", tok)
+    assert not resume.verify_resume_token(SECRET, "sess_2", tok)
+    assert not resume.verify_resume_token(SECRET, "sess_1", tok, now=T0 * 2)
+
+
+def test_client_extra_body_reflects_the_runtime_config_without_private_or_unset_keys() -> None:
+    plugin = ParrotPlugin()
+    runtime: dict[str, object] = {
+        "pitch_semitones": 5.0,
+        "silence_ms": None,
+        "threshold": 0.5,
+        "_worker_params": {"x": 1},
+        "voice_embedding": object(),
+    }
+    base: dict[str, object] = {"pitch_semitones": 3, "silence_ms": 500, "model": "parrot"}
+    assert resume.client_extra_body(plugin, runtime, base) == {"pitch_semitones": 5.0}
+
+
+def test_resume_secret_comes_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from session_service.cli import config_from_args
+
+    base = ["--workers", "127.0.0.1:1", "--listen", "127.0.0.1:0"]
+    monkeypatch.setenv("DUPLEX_RESUME_SECRET", "from-env")
+    assert config_from_args(base).resume_secret == b"from-env"
+    assert config_from_args([*base, "--resume-secret", "flag"]).resume_secret == b"flag"
+    monkeypatch.delenv("DUPLEX_RESUME_SECRET")
+    a, b = config_from_args(base).resume_secret, config_from_args(base).resume_secret
+    assert len(a) == 32 and a != b  # random per process: tokens then work on this replica only
+    assert config_from_args(base).resume_max_age_s == 86_400.0
