@@ -165,6 +165,9 @@ def test_replies_are_clocked_by_input_frames(model: ParrotModel) -> None:
     _run(model, [st], [pad_frames(load_speech("speech_01.wav"))])
     n = model.commit(st)
     model.respond(st)
+    assert model.is_responding(st)  # while the reply is computed off the engine thread
+    assert st.pending is not None
+    st.pending.result(timeout=10)
     frames = np.zeros((1, FRAME), np.float32)
     idle = model.step(StepBatch(["clock"], [st], frames, np.zeros(1, np.bool_)))
     assert list(idle.outputs.req_id) == []  # no input, no reply frame

@@ -91,7 +91,8 @@ async def test_full_parrot_turn_over_grpc() -> None:
         assert 0.5 * len(speech) < committed <= len(signal)
         # The parrot is lockstep: reply frames come one per input frame, so feed silence as the
         # session service does while a response plays.
-        clock = np.zeros((committed // FRAME + 2) * FRAME, np.float32)
+        # (Extra frames: the reply is computed off the engine thread and starts a few steps later.)
+        clock = np.zeros((committed // FRAME + 40) * FRAME, np.float32)
         run.send(
             sub("r1", "s1", RESPOND, turn=1),
             sub("r1", "s1", APPEND, turn=1, seq=len(chunks) + 1, data=pcm(clock)),
@@ -175,7 +176,7 @@ async def test_owners_see_only_their_own_requests() -> None:
                 sub(rid, sid, APPEND, seq=1, data=pcm(noise(20)), params={"auto_commit": False}),
                 sub(rid, sid, COMMIT),
                 sub(rid, sid, RESPOND, turn=1),
-                sub(rid, sid, APPEND, turn=1, seq=2, data=pcm(np.zeros(22 * FRAME, np.float32))),
+                sub(rid, sid, APPEND, turn=1, seq=2, data=pcm(np.zeros(60 * FRAME, np.float32))),
             )
         got_a = await a.until(lambda m: any(u.response_finished for u in m.updates))
         got_b = await b.until(lambda m: any(u.response_finished for u in m.updates))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -142,6 +143,8 @@ class ParrotState:
     reply: bytes = b""
     reply_pos: int = 0
     reply_started: bool = False
+    pending: Future[bytes] | None = None
+    """The reply being computed off the engine thread (RESPOND); its frames start once done."""
 
 
 def load_silero(device: torch.device) -> torch.jit.ScriptModule:
@@ -176,6 +179,7 @@ class ParrotModel(StepModel[ParrotState]):
         self._free: list[int] = []
         self._grow(initial_slots)
         self._fmt = self.audio_format.to_proto()
+        self._replies = ThreadPoolExecutor(max_workers=2, thread_name_prefix="parrot-reply")
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -198,6 +202,7 @@ class ParrotModel(StepModel[ParrotState]):
         return ParrotState(slot=slot, options=self.defaults, buffer=InputBuffer())
 
     def release_state(self, state: ParrotState) -> None:
+        self.cancel_response(state)
         self._free.append(state.slot)
 
     def set_options(self, state: ParrotState, options: object) -> None:
@@ -230,17 +235,25 @@ class ParrotModel(StepModel[ParrotState]):
     def respond(self, state: ParrotState) -> None:
         if state.committed is None or len(state.committed) == 0:
             raise no_committed_input()
-        reply = parrot_reply(state.committed, state.options.pitch_semitones)
-        state.reply = encode(reply, self.audio_format)
+        # The pitch shift of a long utterance takes tens of ms: computed on a helper thread so
+        # the engine keeps stepping every other session meanwhile (numpy's FFTs release the GIL).
+        committed, pitch = state.committed, state.options.pitch_semitones
+        state.pending = self._replies.submit(
+            lambda: encode(parrot_reply(committed, pitch), self.audio_format)
+        )
+        state.reply = b""
         state.reply_pos = 0
         state.reply_started = False
 
     def cancel_response(self, state: ParrotState) -> None:
+        if state.pending is not None:
+            state.pending.cancel()
+            state.pending = None
         state.reply = b""
         state.reply_pos = 0
 
     def is_responding(self, state: ParrotState) -> bool:
-        return state.reply_pos < len(state.reply)
+        return state.pending is not None or state.reply_pos < len(state.reply)
 
     # -- step ----------------------------------------------------------------------------------
 
@@ -274,6 +287,8 @@ class ParrotModel(StepModel[ParrotState]):
             n: RequestNews | None = None
             if batch.has_input[i]:
                 n = self._listen(st, batch.frames[i], float(probs[i]))
+            if st.pending is not None and st.pending.done():
+                st.reply, st.pending = st.pending.result(), None
             if batch.has_input[i] and st.reply_pos < len(st.reply):
                 chunk = st.reply[st.reply_pos : st.reply_pos + frame_bytes]
                 st.reply_pos += len(chunk)
