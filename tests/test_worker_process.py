@@ -69,3 +69,55 @@ def test_cuda_worker_runs_parrot_on_the_gpu() -> None:
         assert desc.device.startswith("cuda")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
+
+
+async def test_process_answers_reflection_and_a_scripted_parrot_conversation() -> None:
+    """The issue's done-when, against the real process: reflection, Attach, and a Run
+    conversation (speech, silence, turn end, RESPOND) that yields the parrot's reply."""
+    import numpy as np
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from tests.worker_helpers import (
+        APPEND,
+        FRAME,
+        RESPOND,
+        RunClient,
+        audio_of,
+        load_speech,
+        pad_frames,
+        pcm,
+        sub,
+    )
+
+    with worker_process("--model", "parrot", "--device", "cpu") as (proc, info):
+        async with grpc.aio.insecure_channel(info["grpc"]) as channel:
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+            async def ask() -> object:
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            async for answer in refl.ServerReflectionInfo(ask()):
+                names = {s.name for s in answer.list_services_response.service}
+                break
+            assert "duplex.v1.DuplexWorker" in names
+
+            stub = worker_pb2_grpc.DuplexWorkerStub(channel)
+            granted = await stub.Attach(
+                worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1"), timeout=5
+            )
+            assert granted.epoch == 1
+            run = RunClient(stub, "o1")
+            run.send(
+                sub("r1", "s1", APPEND, seq=1, data=pcm(pad_frames(load_speech("hello.wav"), silence_s=0.8)))
+            )
+            msgs = await run.until(lambda m: any(u.turn_ended for u in m.updates), wait_s=30)
+            committed = next(u.committed_samples for m in msgs for u in m.updates if u.turn_ended)
+            run.send(
+                sub("r1", "s1", RESPOND, turn=1),
+                sub("r1", "s1", APPEND, turn=1, seq=2, data=pcm(np.zeros((committed // FRAME + 40) * FRAME))),
+            )
+            msgs = await run.until(lambda m: any(u.response_finished for u in m.updates), wait_s=30)
+            assert len(audio_of(msgs, "r1")) == 2 * committed > 0
+            run.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
