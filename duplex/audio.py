@@ -162,10 +162,11 @@ class StreamingResampler:
             self._box_tail = padded[len(padded) - (self._box - 1) :]
             x = filtered
         buf = np.concatenate([self._prev, x])
-        if len(buf) < 2:
-            self._prev = buf
-            return np.zeros(0, dtype=np.float32)
-        last = len(buf) - 1  # interpolation needs a right neighbour
+        # Every output position up to the last sample can be computed now: one between two
+        # samples has both neighbours, one exactly on the last sample needs none. (Waiting for a
+        # right neighbour there would drop it when it ends a chunk: the output would depend on
+        # the chunking.)
+        last = len(buf) - 1
         n = int(np.floor((last - self._pos) / self._step)) + 1 if self._pos <= last else 0
         if n <= 0:
             self._prev = buf

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from duplex import audio
@@ -61,6 +61,8 @@ def test_encode_decode_round_trip_s16_and_f32() -> None:
 
 
 @settings(max_examples=60, deadline=None)
+@example(rates=(48000, 16000), cuts=[3999])  # a chunk ending exactly on an output position
+@example(rates=(44100, 16000), cuts=[0])  # an empty chunk
 @given(
     rates=st.sampled_from([(8000, 16000), (44100, 16000), (48000, 16000), (16000, 24000), (22050, 16000)]),
     cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=12),
