@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
         default=RunnerConfig().max_unconsumed_input_ms,
         help="hold input acks while more audio than this waits unconsumed at the worker (0 = never)",
     )
+    p.add_argument(
+        "--worker-stall-timeout-s",
+        type=float,
+        default=ServiceConfig(plugin="", workers=()).worker_stall_timeout_s,
+        help="treat a worker as lost when it owes output and sends none for this long (0 = never)",
+    )
     return p
 
 
@@ -72,6 +78,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         raise SystemExit("duplex session: --resume-max-age-s must be positive")
     if args.max_unconsumed_input_ms < 0:
         raise SystemExit("duplex session: --max-unconsumed-input-ms must not be negative")
+    if args.worker_stall_timeout_s < 0:
+        raise SystemExit("duplex session: --worker-stall-timeout-s must not be negative")
     if args.max_sessions < 1 or args.idle_timeout_s <= 0:
         raise SystemExit("duplex session: --max-sessions and --idle-timeout-s must be positive")
     return ServiceConfig(
@@ -85,6 +93,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         resume_max_age_s=args.resume_max_age_s,
         replica_id=args.replica_id or f"session-{uuid.uuid4().hex[:12]}",
         drain_grace_s=args.drain_grace_s,
+        worker_stall_timeout_s=args.worker_stall_timeout_s,
         runner=RunnerConfig(
             idle_timeout_s=args.idle_timeout_s,
             silence_continuation=not args.no_silence_continuation,

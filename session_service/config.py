@@ -63,5 +63,13 @@ class ServiceConfig:
     """Deadline of a worker Attach call."""
     worker_backoff_max_s: float = 5.0
     """Longest wait between reconnect attempts to a lost worker."""
+    worker_stall_timeout_s: float = 3.0
+    """Application-level liveness of a worker link: when the worker owes output (APPENDs not yet
+    reported consumed, a COMMIT not yet answered, a free-running model's RESPOND not yet
+    stepped) and has sent no ``StepOutput`` for this long, the link is treated as lost, like a
+    dropped stream (its sessions get ``worker_unavailable`` and move on their next submission;
+    the link reconnects with backoff). Catches a hung worker (SIGSTOP, a wedged GPU, a
+    deadlocked engine) long before TCP/HTTP2 keepalive would. An idle link is never stalled.
+    Keep it above the worker's slowest model step. 0 turns the check off."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     """Per-session limits."""

@@ -36,6 +36,11 @@ WORKERS_HEALTHY: Final = Gauge(
 WORKER_SESSIONS: Final = Gauge(
     "duplex_session_worker_sessions", "Sessions placed on each worker (by configured address).", ["worker"]
 )
+WORKER_STALLS: Final = Counter(
+    "duplex_session_worker_stalls",
+    "Worker links dropped because the worker owed output and sent none for the stall timeout.",
+    ["worker"],
+)
 SILENCE_FRAMES: Final = Counter(
     "duplex_session_silence_frames", "Silence frames fed to keep a model turn going without client input."
 )

@@ -38,6 +38,7 @@ async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
         on_lost=router.on_link_lost,
         attach_timeout_s=cfg.attach_timeout_s,
         backoff_max_s=cfg.worker_backoff_max_s,
+        stall_timeout_s=cfg.worker_stall_timeout_s,
     )
     manager = SessionManager(
         plugin=plugin,

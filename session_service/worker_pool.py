@@ -8,6 +8,18 @@ then reconnects with jittered backoff; the channel's own reconnect backoff is ca
 way, so a worker restarted after a long outage is back within ``backoff_max_s`` or so. Sessions
 are placed by rendezvous hashing of the session id over the healthy links (best first, the
 next one when a worker does not answer), so every replica agrees without shared state.
+
+A worker that hangs instead of dying (SIGSTOP, a wedged GPU, a deadlocked engine) keeps its TCP
+connection up, so HTTP/2 keepalive would notice it only after tens of seconds. Each link
+therefore keeps an application-level watchdog: a ``Liveness`` record of what the worker owes
+(per request: APPENDs written but not yet reported consumed through ``RequestUpdate.input_seq``,
+a COMMIT awaiting its answer, a RESPOND of a free-running model awaiting its first step) and
+when it last sent a ``StepOutput``. One task per link looks at the two monotonic timestamps a
+few times per stall timeout; when the worker has owed something and sent nothing for
+``stall_timeout_s``, the link is lost exactly as if the stream had dropped (its sessions get
+``worker_unavailable``, the Run stream is cancelled, and the link reconnects with backoff, so a
+worker that resumes answering comes back). A link that owes nothing is never stalled, however
+long it is quiet.
 """
 
 from __future__ import annotations
@@ -16,7 +28,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -25,7 +38,7 @@ from duplex.errors import DuplexError, ErrorCode, UnavailableError, from_rpc_err
 from duplex.serving import CHANNEL_OPTIONS
 from duplex.v1 import worker_pb2, worker_pb2_grpc
 from session_service.hashing import rendezvous_rank
-from session_service.metrics import WORKER_COMMAND_SIZE, WORKERS_HEALTHY
+from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS, WORKERS_HEALTHY
 from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
 
 log = logging.getLogger(__name__)
@@ -35,6 +48,13 @@ _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_
 
 #: First wait before reconnecting to a lost worker (doubles, jittered, up to ``backoff_max_s``).
 BACKOFF_INITIAL_S = 0.1
+
+#: Default stall timeout of a link (``ServiceConfig.worker_stall_timeout_s``); 0 turns it off.
+DEFAULT_STALL_TIMEOUT_S = 3.0
+
+_APPEND = worker_pb2.SUBMISSION_KIND_APPEND
+_COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
+_RESPOND = worker_pb2.SUBMISSION_KIND_RESPOND
 
 
 def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
@@ -63,6 +83,122 @@ class _Pending:
         return bool(self.submit or self.abort or self.release)
 
 
+class WorkerStalledError(ConnectionError):
+    """The worker owed output and sent none for the stall timeout (hung, not gone)."""
+
+
+@dataclass(slots=True)
+class _Owed:
+    """What one request's worker owes: news of work written under ``epoch``."""
+
+    epoch: int
+    seq: int
+    """Highest APPEND seq written in ``epoch`` and not yet reported consumed (0: none)."""
+    answer: bool
+    """A COMMIT (or a free-running RESPOND) awaits the request's next news."""
+    since: float
+    """When the request began to owe (monotonic)."""
+
+
+class Liveness:
+    """What a link's worker owes it, and when the worker last said anything.
+
+    Bookkeeping is a dict operation per submission written and per update read (no timers);
+    ``quiet_for`` is what the watchdog polls. Work that the worker legitimately never answers is
+    not owed: a RESPOND of a lockstep model (it replies only as input arrives, and that input is
+    owed itself), CLEAR, work dropped by a newer epoch, an abort or a release. A rejection (an
+    update with an error) settles what the request owed.
+    """
+
+    def __init__(self, *, respond_answers: bool, clock: Callable[[], float] = time.monotonic) -> None:
+        self._respond_answers = respond_answers
+        self._clock = clock
+        self._owed: dict[str, _Owed] = {}
+        self.last_output = clock()
+
+    def reset(self) -> None:
+        """A fresh stream: nothing is owed, and the worker counts as just heard from."""
+        self._owed.clear()
+        self.last_output = self._clock()
+
+    @property
+    def owing(self) -> int:
+        """Requests the worker owes news of."""
+        return len(self._owed)
+
+    def written(
+        self,
+        submit: Iterable[worker_pb2.Submission],
+        abort: Iterable[worker_pb2.Abort] = (),
+        release: Iterable[worker_pb2.Release] = (),
+    ) -> None:
+        """One command is being written (called before the write: a write that blocks on a
+        worker that reads nothing any more must not hide what it owes)."""
+        owed = self._owed
+        now = 0.0
+        for sub in submit:
+            rid, epoch, kind = sub.request_id, sub.fence.epoch, sub.kind
+            o = owed.get(rid)
+            if o is not None and o.epoch != epoch:
+                if o.epoch > epoch:
+                    continue  # stale: the worker rejects it (an error update), nothing to run
+                del owed[rid]  # a newer epoch drops the request's older work at the worker
+                o = None
+            if kind == _APPEND or kind == _COMMIT or (kind == _RESPOND and self._respond_answers):
+                if o is None:
+                    now = now or self._clock()
+                    o = owed[rid] = _Owed(epoch, 0, False, now)
+                if kind == _APPEND:
+                    o.seq = max(o.seq, sub.seq)
+                else:
+                    o.answer = True
+        for ab in abort:
+            o = owed.get(ab.request_id)
+            if o is not None and o.epoch < ab.fence.epoch:
+                del owed[ab.request_id]
+        for rel in release:
+            owed.pop(rel.request_id, None)
+
+    def heard(self, step: worker_pb2.StepOutput) -> None:
+        """A StepOutput arrived: the worker is alive; settle what it answers."""
+        self.last_output = self._clock()
+        owed = self._owed
+        if not owed:
+            return
+        for entry in step.batch:
+            o = owed.get(entry.request_id)
+            if o is not None and entry.fence.epoch == o.epoch:
+                o.answer = False
+                if not o.seq:
+                    del owed[entry.request_id]
+        for u in step.updates:
+            o = owed.get(u.request_id)
+            if o is None:
+                continue
+            if u.error.code or u.fence.epoch > o.epoch:
+                del owed[u.request_id]  # rejected or failed: nothing more comes of it
+                continue
+            if u.fence.epoch < o.epoch:
+                continue
+            o.answer = False
+            if u.input_seq >= o.seq:
+                o.seq = 0
+            if not o.seq:
+                del owed[u.request_id]
+
+    def quiet_for(self, now: float | None = None) -> float:
+        """Seconds the worker has owed something without sending anything (0 when it owes
+        nothing: an idle link is never stalled)."""
+        if not self._owed:
+            return 0.0
+        now = self._clock() if now is None else now
+        quiet = now - self.last_output
+        if quiet <= 0:
+            return 0.0
+        oldest = min(o.since for o in self._owed.values())
+        return max(0.0, min(quiet, now - oldest))
+
+
 class WorkerLink:
     """One worker: its channel, its description and the replica's one Run stream to it."""
 
@@ -76,8 +212,10 @@ class WorkerLink:
         on_lost: Callable[[WorkerLink], None],
         on_health: Callable[[], None],
         backoff_max_s: float = 5.0,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         self.address = address
+        WORKER_STALLS.labels(worker=address)  # present at 0 from the start, for alerts
         self.owner = owner
         self._plugin = plugin
         self._on_step = on_step
@@ -96,6 +234,12 @@ class WorkerLink:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.commands_sent = 0
+        self._stall_timeout_s = stall_timeout_s
+        # A lockstep model (one that needs silence continuation) replies only as input arrives,
+        # so its RESPOND owes nothing by itself; a free-running model's RESPOND owes a step.
+        self.liveness = Liveness(respond_answers=not plugin.silence_continuation)
+        self.stalls = 0
+        """Times this link was declared stalled (lost without the stream breaking)."""
 
     @property
     def healthy(self) -> bool:
@@ -162,6 +306,8 @@ class WorkerLink:
                 raise
             except PluginLoadError as err:
                 log.error("worker %s refused: %s", self.address, err.message)
+            except WorkerStalledError:
+                pass  # logged by the watchdog
             except grpc.RpcError as exc:
                 log.warning("worker %s: %s", self.address, from_rpc_error(exc).message)
             except Exception:
@@ -178,6 +324,7 @@ class WorkerLink:
         call = self._stub.Run()
         await call.write(worker_pb2.WorkerCommand(owner=self.owner))
         self.generation += 1
+        self.liveness.reset()
         self._healthy = True
         self._on_health()
         log.info(
@@ -185,25 +332,76 @@ class WorkerLink:
             self.address,
             self.description.model_id if self.description else "?",
         )
-        sender = asyncio.create_task(self._send_loop(call))
+        # Reader, sender and watchdog: the first of them to end (an error, EOF, a stall) ends
+        # the stream, so a hung worker is noticed even while the reader waits for it forever.
+        tasks = [
+            asyncio.create_task(self._read_loop(call)),
+            asyncio.create_task(self._send_loop(call)),
+        ]
+        if self._stall_timeout_s > 0:
+            tasks.append(asyncio.create_task(self._watchdog()))
         try:
-            while True:
-                step = await call.read()
-                if step is grpc.aio.EOF:
-                    raise ConnectionError("worker closed the Run stream")
-                try:
-                    self._on_step(self, step)
-                except Exception:
-                    log.exception("worker %s: routing a step failed", self.address)
-                if sender.done():
-                    sender.result()  # re-raise the sender's failure
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.cancelled():
+                    raise ConnectionError("a Run stream task was cancelled")
+                task.result()  # re-raise the failure that ended the stream
+            raise ConnectionError("the Run stream ended")
         finally:
             # Unhealthy before any await: nothing may be placed on, or submitted to, a dead stream.
             self._lose()
-            sender.cancel()
-            with contextlib.suppress(BaseException):
-                await sender
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
             call.cancel()
+
+    async def _read_loop(
+        self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
+    ) -> None:
+        heard = self.liveness.heard
+        while True:
+            step = await call.read()
+            if step is grpc.aio.EOF:
+                raise ConnectionError("worker closed the Run stream")
+            heard(step)
+            try:
+                self._on_step(self, step)
+            except Exception:
+                log.exception("worker %s: routing a step failed", self.address)
+
+    async def _watchdog(self) -> None:
+        """Declare the worker stalled when it has owed output and sent none for the timeout.
+
+        Polls two timestamps a few times per timeout (no per-frame timers). A tick that comes
+        late (this process's event loop was blocked, so the reader could not run either) is not
+        judged: the stall must be the worker's, not ours.
+        """
+        timeout = self._stall_timeout_s
+        interval = min(0.5, max(0.05, timeout / 4))
+        loop = asyncio.get_running_loop()
+        due = loop.time() + interval
+        while True:
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            now = loop.time()
+            late = now - due > interval
+            due = now + interval
+            if late:
+                continue
+            quiet = self.liveness.quiet_for()
+            if quiet >= timeout:
+                self.stalls += 1
+                WORKER_STALLS.labels(worker=self.address).inc()
+                log.warning(
+                    "worker %s: stalled: %d requests owed output and nothing came for %.1f s "
+                    "(timeout %.1f s); treating it as lost",
+                    self.address,
+                    self.liveness.owing,
+                    quiet,
+                    timeout,
+                )
+                raise WorkerStalledError(f"worker {self.address} stalled for {quiet:.1f} s")
 
     async def _send_loop(
         self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
@@ -214,6 +412,7 @@ class WorkerLink:
             pending, self._pending = self._pending, _Pending.empty()
             if not pending:
                 continue
+            self.liveness.written(pending.submit, pending.abort, pending.release)
             cmd = worker_pb2.WorkerCommand(
                 submit=pending.submit, abort=pending.abort, release=pending.release
             )
@@ -256,7 +455,9 @@ class WorkerPool:
         on_lost: Callable[[WorkerLink], None],
         attach_timeout_s: float = 5.0,
         backoff_max_s: float = 5.0,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
+        """``stall_timeout_s``: see ``WorkerLink`` (0 turns the stall check off)."""
         self.owner = owner
         self._attach_timeout_s = attach_timeout_s
         self._ready = asyncio.Event()
@@ -269,6 +470,7 @@ class WorkerPool:
                 on_lost=on_lost,
                 on_health=self._health_changed,
                 backoff_max_s=backoff_max_s,
+                stall_timeout_s=stall_timeout_s,
             )
             for addr in dict.fromkeys(addresses)
         }

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,18 +41,27 @@ class ServiceProcess:
         return self.proc.wait(timeout)
 
 
+def spawn(
+    args: list[str], *, env: dict[str, str] | None = None, stderr: int | None = None
+) -> subprocess.Popen[str]:
+    """``python -m duplex ARGS`` in the repository, unbuffered, its stdout a text pipe.
+
+    ``stderr`` None inherits it (pytest shows it on failure)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "duplex", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
 def start_service(
     args: list[str], *, timeout: float = 60.0, env: dict[str, str] | None = None
 ) -> ServiceProcess:
     """Run ``python -m duplex ARGS`` and wait for its one-line JSON "listening" announcement."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duplex", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=None,  # inherit: pytest shows it on failure
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
+    proc = spawn(args, env=env)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     try:
@@ -76,6 +86,28 @@ def start_service(
         proc.kill()
         proc.wait(10)
         raise
+
+
+def start_all(arg_lists: list[list[str]], started: list[ServiceProcess]) -> list[ServiceProcess]:
+    """``start_service`` for each of ``arg_lists`` in parallel; returns them in that order.
+
+    Each one that started is appended to ``started`` (for the caller to stop) even when another
+    failed, whose error is then raised."""
+    new: list[ServiceProcess] = []
+    with ThreadPoolExecutor(len(arg_lists)) as pool:
+        futures = [pool.submit(start_service, args) for args in arg_lists]
+        errors = []
+        for f in futures:
+            try:
+                svc = f.result()
+            except Exception as exc:  # keep the ones that started, to stop them
+                errors.append(exc)
+            else:
+                started.append(svc)
+                new.append(svc)
+        if errors:
+            raise errors[0]
+    return new
 
 
 @contextmanager

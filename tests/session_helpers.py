@@ -6,8 +6,7 @@ import asyncio
 import contextlib
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,32 +15,36 @@ import numpy as np
 
 from duplex.audio import PCM16K_MONO, PcmFormat, decode, encode, read_wav, resample, to_mono
 from duplex.errors import DuplexError, from_rpc_error
-from duplex.v1 import session_pb2, session_pb2_grpc
-from tests.procs import ServiceProcess, start_service
+from duplex.v1 import session_pb2, session_pb2_grpc, worker_pb2
+from session_service.runner import SessionRunner
+from tests.procs import ServiceProcess, start_all, start_service
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PARROT = "session_service.plugins.parrot:ParrotPlugin"
 
 
-def worker_args() -> list[str]:
+def worker_args(*extra: str, model: str = "parrot", port: int = 0, device: str | None = None) -> list[str]:
+    """``duplex worker`` on ``127.0.0.1:PORT`` (0: a free one), one torch thread, then ``extra``."""
     return [
         "worker",
         "--model",
-        "parrot",
+        model,
         "--listen",
-        "127.0.0.1:0",
+        f"127.0.0.1:{port}",
         "--metrics-port",
         "0",
+        *(("--device", device) if device is not None else ()),
         "--torch-threads",
         "1",
+        *extra,
     ]
 
 
-def session_args(workers: list[str], *extra: str) -> list[str]:
+def session_args(workers: list[str], *extra: str, plugin: str = PARROT) -> list[str]:
     return [
         "session",
         "--plugin",
-        PARROT,
+        plugin,
         "--workers",
         ",".join(workers),
         "--listen",
@@ -67,17 +70,7 @@ def running_stack(n_workers: int = 2, *session_extra: str) -> Iterator[Stack]:
     """Workers (started in parallel) and one session service; every process is gone afterwards."""
     started: list[ServiceProcess] = []
     try:
-        with ThreadPoolExecutor(n_workers) as pool:
-            futures = [pool.submit(start_service, worker_args()) for _ in range(n_workers)]
-            errors = []
-            for f in futures:
-                try:
-                    started.append(f.result())
-                except Exception as exc:  # keep the ones that started, to stop them
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
-        workers = list(started)
+        workers = start_all([worker_args() for _ in range(n_workers)], started)
         session = start_service(session_args([w.grpc for w in workers], *session_extra))
         started.append(session)
         stack = Stack(workers, session)
@@ -87,6 +80,24 @@ def running_stack(n_workers: int = 2, *session_extra: str) -> Iterator[Stack]:
     finally:
         for proc in reversed(started):
             proc.terminate(timeout=10)
+
+
+@contextlib.contextmanager
+def worker_and_session(
+    worker: list[str], *session_extra: str, plugin: str, stop_timeout: float = 15.0
+) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """One worker (``worker``: its arguments) and a session service with ``plugin`` in front of it,
+    once the session service has found the worker healthy; both are stopped afterwards."""
+    worker_proc = start_service(worker)
+    try:
+        session = start_service(session_args([worker_proc.grpc], *session_extra, plugin=plugin))
+        try:
+            wait_metric(session.metrics, "duplex_session_workers_healthy", 1.0, timeout=30)
+            yield worker_proc, session
+        finally:
+            session.terminate(timeout=stop_timeout)
+    finally:
+        worker_proc.terminate(timeout=stop_timeout)
 
 
 def metrics_text(address: str) -> str:
@@ -267,3 +278,44 @@ class Conversation:
 
     def kinds(self) -> list[str]:
         return [e.WhichOneof("event") or "" for e in self.events]
+
+
+class FakeLink:
+    """A worker link for runners without processes: records what the runner hands to the worker;
+    every write succeeds at once, unless ``fail_next`` says how many next ones fail."""
+
+    address = "fake:1"
+
+    def __init__(self) -> None:
+        self.healthy = True
+        self.subs: list[worker_pb2.Submission] = []
+        self.aborts: list[worker_pb2.Abort] = []
+        self.releases: list[worker_pb2.Release] = []
+        self.fail_next = 0
+
+    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.fail_next:
+            self.fail_next -= 1
+            fut.set_exception(ConnectionError("down"))
+        else:
+            self.subs.extend(subs)
+            fut.set_result(None)
+        return fut
+
+    def abort(self, abort: worker_pb2.Abort) -> None:
+        self.aborts.append(abort)
+
+    def release(self, release: worker_pb2.Release) -> None:
+        self.releases.append(release)
+
+    def kinds(self) -> list[int]:
+        return [s.kind for s in self.subs]
+
+
+def drain(r: SessionRunner) -> list[session_pb2.ServerEvent]:
+    """Take every event the runner has queued for its client."""
+    out = []
+    while len(r.outbound):
+        out.append(r.outbound._items.popleft().event)
+    return out

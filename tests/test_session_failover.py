@@ -17,12 +17,13 @@ refusal; a session whose worker died with an append in flight goes on elsewhere.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -32,15 +33,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from duplex.audio import PCM16K_MONO, decode, encode
 from duplex.errors import BadRequestError, DuplexError, ErrorCode, FencedError, UnavailableError
 from duplex.serving import split_host_port
-from duplex.v1 import session_pb2, worker_pb2
+from duplex.v1 import common_pb2, session_pb2, worker_pb2, worker_pb2_grpc
 from session_service.config import RunnerConfig
 from session_service.hashing import rendezvous_pick, rendezvous_rank
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
-from session_service.worker_pool import WorkerLink, WorkerPool
-from tests.procs import ServiceProcess, start_service
+from session_service.worker_pool import Liveness, WorkerLink, WorkerPool
+from tests.procs import ServiceProcess, start_all, start_service
 from tests.session_helpers import (
     Conversation,
+    drain,
     metric_value,
     metrics_text,
     open_event,
@@ -50,6 +52,7 @@ from tests.session_helpers import (
     to_16k,
     utterance_pcm,
     wait_metric,
+    worker_args,
 )
 from worker_service.models.parrot import parrot_reply
 
@@ -60,22 +63,6 @@ FRAME = 512
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WORKERS_HEALTHY = "duplex_session_workers_healthy"
-
-
-def worker_args(port: int = 0) -> list[str]:
-    return [
-        "worker",
-        "--model",
-        "parrot",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--metrics-port",
-        "0",
-        "--device",
-        "cpu",
-        "--torch-threads",
-        "1",
-    ]
 
 
 @dataclass
@@ -99,37 +86,47 @@ class Stack:
     def restart(self, i: int) -> ServiceProcess:
         """A fresh worker process on worker ``i``'s old address."""
         _, port = split_host_port(self.workers[i].grpc)
-        w = start_service(worker_args(port))
+        w = start_service(worker_args(port=port, device="cpu"))
         self.started.append(w)
         assert w.grpc == self.workers[i].grpc
         self.workers[i] = w
         return w
 
 
-@pytest.fixture
-def stack() -> Iterator[Stack]:
+@contextlib.contextmanager
+def running(*session_extra: str) -> Iterator[Stack]:
     started: list[ServiceProcess] = []  # every process, restarted workers included
     session: ServiceProcess | None = None
     try:
-        with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(start_service, worker_args()) for _ in range(2)]
-            errors = []
-            for f in futures:
-                try:
-                    started.append(f.result())
-                except Exception as exc:  # keep the ones that started, to stop them
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
-        workers = list(started)
-        session = start_service(session_args([w.grpc for w in workers], "--idle-timeout-s", "60"))
+        workers = start_all([worker_args(device="cpu") for _ in range(2)], started)
+        session = start_service(
+            session_args([w.grpc for w in workers], "--idle-timeout-s", "60", *session_extra)
+        )
         wait_metric(session.metrics, WORKERS_HEALTHY, 2.0, timeout=20)
         yield Stack(workers, session, started)
     finally:
+        # A worker a test stopped (SIGSTOP) is continued first, so that it can drain.
+        for w in started:
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGCONT)
         # The session service first (it drains), then every worker.
         for proc in [session, *started]:
             if proc is not None:
                 proc.terminate(timeout=10)
+
+
+@pytest.fixture
+def stack() -> Iterator[Stack]:
+    with running() as s:
+        yield s
+
+
+@pytest.fixture
+def stall_stack() -> Iterator[Stack]:
+    """The stack with a 1 s worker stall timeout (keepalive would take about 40 s)."""
+    with running("--worker-stall-timeout-s", "1") as s:
+        yield s
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -395,6 +392,129 @@ async def test_placement_health_and_reconnect_after_worker_loss(stack: Stack) ->
         await asyncio.gather(*(c.wait_done() for c in [*convs, fresh]))
 
 
+async def babble(conv: Conversation, stop: asyncio.Event) -> None:
+    """Real-time silence in 20 ms appends until ``stop`` (input the worker owes consumption of)."""
+    pcm = b"\x00\x00" * 320
+    while not stop.is_set():
+        conv.append(pcm)
+        await asyncio.sleep(0.02)
+
+
+async def open_until(
+    ch: grpc.aio.Channel, stack: Stack, want: Callable[[int], bool], *, limit: int = 16
+) -> tuple[Conversation, list[Conversation]]:
+    """Open sessions until one's rendezvous choice (over both workers) satisfies ``want``;
+    returns it and every session opened on the way (for the caller to close)."""
+    opened: list[Conversation] = []
+    while len(opened) < limit:
+        conv = Conversation(ch).start(open_session())
+        opened.append(conv)
+        sid = (await conv.wait_kind("opened")).opened.session_id
+        if want(stack.addresses.index(rendezvous_pick(sid, stack.addresses) or "")):
+            return conv, opened
+    raise AssertionError("rendezvous placement never chose the wanted worker")
+
+
+@pytest.mark.process
+async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_again(
+    stall_stack: Stack,
+) -> None:
+    # SIGSTOP keeps the worker's TCP connection up: only the application-level stall timeout
+    # (1 s here) notices it, long before keepalive (30 s + 10 s) would.
+    stack = stall_stack
+    hung_pid = stack.workers[0].pid
+    stopped = False
+    stop_babble = asyncio.Event()
+    babblers: list[asyncio.Task[None]] = []
+    try:
+        async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+            on: dict[int, list[Conversation]] = {0: [], 1: []}
+            convs: list[Conversation] = []
+            while min(len(v) for v in on.values()) < 2:
+                conv, opened = await open_until(ch, stack, lambda _i: True)
+                convs.extend(opened)
+                sid = conv.events[0].opened.session_id
+                on[stack.addresses.index(rendezvous_pick(sid, stack.addresses) or "")].append(conv)
+                assert len(convs) < 24
+            assert (placed(stack, 0), placed(stack, 1)) == (len(on[0]), len(on[1]))
+            victims, survivors = on[0], on[1]
+            talker, quiet = survivors[0], [*victims, *survivors[1:]]
+            babblers = [asyncio.create_task(babble(c, stop_babble)) for c in quiet]
+            for c in quiet:
+                await c.wait_kind("input_ack", within=5)
+            turn = asyncio.ensure_future(Turn.speak(talker, speech(8)))
+
+            # The worker hangs while its sessions send audio (appends it owes an answer to).
+            await asyncio.sleep(0.3)
+            os.kill(hung_pid, signal.SIGSTOP)
+            stopped = True
+            t_stop = time.monotonic()
+            marks = [len(c.events) for c in victims]
+            for c, mark in zip(victims, marks, strict=True):
+                err = (await c.wait_kind("error", start=mark, within=6)).error
+                assert err.code == "worker_unavailable" and err.retryable, err
+            noticed = time.monotonic() - t_stop
+            assert noticed < 4.0, f"the hung worker was noticed only after {noticed:.1f} s"
+            await wait_healthy_workers(stack.session.metrics, 1.0, within=2)
+            assert await health(stack.session.grpc) == SERVING
+            stalls = metric_value(
+                metrics_text(stack.session.metrics),
+                "duplex_session_worker_stalls_total",
+                f'worker="{stack.addresses[0]}"',
+            )
+            assert stalls == 1.0, stalls  # counted, on the hung worker's label
+            # Its sessions go on on the healthy worker (their next appends are acked there).
+            for c, mark in zip(victims, marks, strict=True):
+                i_err = c.kinds().index("error", mark)
+                await c.wait_kind("input_ack", start=i_err + 1, within=5)
+
+            # The healthy worker's sessions were not disturbed: a full, correct reply, no errors.
+            t = await turn
+            done = await t.done()
+            assert done.status == session_pb2.RESPONSE_STATUS_COMPLETED, done
+            assert_own_content([t], [t.reply(done.response_id)])
+            for c in survivors:
+                assert c.of("error") == [], c.of("error")
+
+            # New sessions go to the healthy worker, even those whose first choice is hung.
+            homeless, opened = await open_until(ch, stack, lambda i: i == 0)
+            convs.extend(opened)
+            assert placed(stack, 0) == 0
+
+            # The worker answers again: the link reconnects and new sessions use it.
+            # Still out while hung (a reconnect needs the worker to answer Describe).
+            assert metric_value(metrics_text(stack.session.metrics), WORKERS_HEALTHY) == 1.0
+            os.kill(hung_pid, signal.SIGCONT)
+            stopped = False
+            await wait_healthy_workers(stack.session.metrics, 2.0, within=10)
+            assert await health(stack.session.grpc) == SERVING
+            back, opened = await open_until(ch, stack, lambda i: i == 0)
+            convs.extend(opened)
+            t = await Turn.speak(back, speech(6))
+            done = await t.done()
+            assert done.status == session_pb2.RESPONSE_STATUS_COMPLETED, done
+            assert_own_content([t], [t.reply(done.response_id)])
+            assert placed(stack, 0) == 1
+            assert back.of("error") == [] and homeless.of("error") == []
+
+            stop_babble.set()
+            await asyncio.gather(*babblers)
+            for c in convs:
+                assert_only_own_audio(c)
+                assert "closed" not in c.kinds()
+                close(c)
+            await asyncio.gather(*(c.wait_done() for c in convs))
+        text = metrics_text(stack.session.metrics)
+        lost = metric_value(text, "duplex_session_errors_total", 'code="worker_unavailable"')
+        assert (lost or 0) >= len(victims)
+    finally:
+        stop_babble.set()
+        for task in babblers:
+            task.cancel()
+        if stopped:
+            os.kill(hung_pid, signal.SIGCONT)
+
+
 # ---- placement, in process (the races a real kill can hit but a test cannot time) ------------
 
 
@@ -581,9 +701,7 @@ async def test_input_goes_on_elsewhere_after_the_worker_died_mid_write() -> None
         await _settle()
         await runner.post(_append(2))
         await _settle()
-        events = []
-        while len(runner.outbound):
-            events.append(runner.outbound._items.popleft().event)
+        events = drain(runner)
         errors = [(e.error.code, e.error.event_id) for e in events if e.HasField("error")]
         # Told once that the worker is gone (and which append was lost with it) ...
         assert ("worker_unavailable", "") in errors
@@ -594,3 +712,180 @@ async def test_input_goes_on_elsewhere_after_the_worker_died_mid_write() -> None
     finally:
         runner.close("test")
         await runner.wait_closed()
+
+
+# ---- liveness of a worker link, in process ---------------------------------------------------
+
+
+def _sub(
+    kind: worker_pb2.SubmissionKind.ValueType, rid: str = "r1", epoch: int = 1, seq: int = 0
+) -> worker_pb2.Submission:
+    return worker_pb2.Submission(
+        request_id=rid, fence=common_pb2.Fence(session_id=rid, epoch=epoch), kind=kind, seq=seq
+    )
+
+
+def _update(
+    rid: str = "r1",
+    epoch: int = 1,
+    *,
+    input_seq: int = 0,
+    committed_samples: int = 0,
+    error: worker_pb2.WorkerError | None = None,
+) -> worker_pb2.StepOutput:
+    upd = worker_pb2.RequestUpdate(
+        request_id=rid,
+        fence=common_pb2.Fence(session_id=rid, epoch=epoch),
+        input_seq=input_seq,
+        committed_samples=committed_samples,
+        error=error,
+    )
+    return worker_pb2.StepOutput(step=0, updates=[upd])
+
+
+APPEND = worker_pb2.SUBMISSION_KIND_APPEND
+COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
+RESPOND = worker_pb2.SUBMISSION_KIND_RESPOND
+
+
+def test_liveness_owes_only_what_the_worker_must_answer() -> None:
+    now = [100.0]
+    live = Liveness(respond_answers=False, clock=lambda: now[0])
+    now[0] += 60
+    assert live.quiet_for() == 0.0, "an idle link is never stalled"
+    # A lockstep model's RESPOND (it replies only as input comes) and CLEAR owe nothing.
+    live.written([_sub(RESPOND), _sub(worker_pb2.SUBMISSION_KIND_CLEAR)])
+    now[0] += 60
+    assert live.quiet_for() == 0.0
+    # APPENDs owe their consumption: quiet counts from the write, not from the last output.
+    live.written([_sub(APPEND, seq=1), _sub(APPEND, seq=2)])
+    now[0] += 2
+    assert live.quiet_for() == 2.0 and live.owing == 1
+    live.heard(_update(input_seq=1))  # partly consumed: still owed, but the worker is alive
+    assert live.quiet_for() == 0.0 and live.owing == 1
+    now[0] += 1
+    assert live.quiet_for() == 1.0
+    live.heard(_update(input_seq=2))
+    assert live.owing == 0
+    now[0] += 60
+    assert live.quiet_for() == 0.0
+    # Output of an older epoch settles nothing; a release, a newer abort or an error do.
+    live.written([_sub(APPEND, epoch=2, seq=1), _sub(COMMIT, rid="r2")])
+    live.heard(_update(epoch=1, input_seq=5))
+    assert live.owing == 2
+    live.written([], abort=[worker_pb2.Abort(request_id="r1", fence=common_pb2.Fence(epoch=3))])
+    live.written([], release=[worker_pb2.Release(request_id="r2")])
+    assert live.owing == 0
+    live.written([_sub(APPEND, rid="r3", seq=1)])
+    live.heard(_update(rid="r3", error=worker_pb2.WorkerError(code="capacity")))
+    assert live.owing == 0
+    # A newer epoch's work replaces what the older one owed (the worker drops the older work).
+    live.written([_sub(APPEND, seq=7)])
+    live.written([_sub(APPEND, epoch=2, seq=1)])
+    live.heard(_update(epoch=2, input_seq=1))
+    assert live.owing == 0
+    # A free-running model's RESPOND owes its first step; a COMMIT its answer.
+    free = Liveness(respond_answers=True, clock=lambda: now[0])
+    free.written([_sub(RESPOND), _sub(COMMIT, rid="r2")])
+    now[0] += 5
+    assert free.quiet_for() == 5.0
+    step = worker_pb2.StepOutput(
+        step=3,
+        batch=[worker_pb2.BatchEntry(request_id="r1", fence=common_pb2.Fence(session_id="r1", epoch=1))],
+    )
+    free.heard(step)
+    free.heard(_update(rid="r2", committed_samples=512))
+    assert free.owing == 0 and free.quiet_for() == 0.0
+
+
+class _FakeWorker(worker_pb2_grpc.DuplexWorkerServicer):
+    """A parrot-shaped worker that answers APPENDs (``answer``) or owes them forever (hung)."""
+
+    def __init__(self) -> None:
+        self.answer = True
+        self.streams = 0
+
+    async def Describe(self, request: Any, context: Any) -> worker_pb2.WorkerDescription:
+        return worker_pb2.WorkerDescription(model_id="parrot", frame_samples=FRAME)
+
+    async def Attach(self, request: worker_pb2.AttachRequest, context: Any) -> worker_pb2.AttachResponse:
+        return worker_pb2.AttachResponse(epoch=request.epoch)
+
+    async def Run(self, request_iterator: Any, context: Any) -> AsyncIterator[worker_pb2.StepOutput]:
+        self.streams += 1
+        out: asyncio.Queue[worker_pb2.StepOutput] = asyncio.Queue()
+
+        async def read() -> None:
+            async for cmd in request_iterator:
+                for sub in cmd.submit:
+                    if self.answer and sub.kind == APPEND:
+                        out.put_nowait(_update(sub.request_id, sub.fence.epoch, input_seq=sub.seq))
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield await out.get()
+        finally:
+            reader.cancel()
+
+
+async def test_link_stalls_only_when_the_worker_owes_output_and_comes_back() -> None:
+    fake = _FakeWorker()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_DuplexWorkerServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    lost: list[float] = []
+    changed = asyncio.Event()
+
+    def on_lost(_link: WorkerLink) -> None:
+        lost.append(time.monotonic())
+        changed.set()
+
+    async def until(pred: Callable[[], bool], within: float) -> None:
+        async with asyncio.timeout(within):
+            while not pred():
+                changed.clear()
+                await changed.wait()
+
+    link = WorkerLink(
+        f"127.0.0.1:{port}",
+        owner="replica-a",
+        plugin=ParrotPlugin(),
+        on_step=lambda _link, _step: None,
+        on_lost=on_lost,
+        on_health=changed.set,
+        backoff_max_s=0.2,
+        stall_timeout_s=0.2,
+    )
+    link.start()
+
+    async def appends(n: int, *, first: int) -> None:
+        for seq in range(first, first + n):
+            await link.submit([_sub(APPEND, seq=seq)])
+            await asyncio.sleep(0.02)
+
+    try:
+        await until(lambda: link.healthy, 5)
+        # Idle for five stall timeouts: nothing is owed, so nothing is stalled.
+        await asyncio.sleep(1.0)
+        # A worker that answers is not stalled either, however long the work goes on.
+        await appends(20, first=1)
+        await asyncio.sleep(0.5)
+        assert (link.healthy, link.generation, link.stalls, lost) == (True, 1, 0, [])
+        # The worker hangs with input owed: lost within the timeout (plus a watchdog tick) ...
+        fake.answer = False
+        t_hang = time.monotonic()
+        with contextlib.suppress(ConnectionError, DuplexError):
+            await appends(3, first=21)
+        await until(lambda: bool(lost), 2)
+        assert 0.2 <= lost[0] - t_hang < 0.8 and link.stalls == 1
+        # ... and the link reconnects with backoff; a worker that answers again keeps it.
+        fake.answer = True
+        await until(lambda: link.healthy, 5)
+        await appends(10, first=1)
+        await asyncio.sleep(0.5)
+        assert (link.healthy, link.generation, link.stalls, len(lost)) == (True, 2, 1, 1)
+    finally:
+        await link.close()
+        await server.stop(None)
