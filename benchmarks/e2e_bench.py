@@ -36,7 +36,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,24 +44,12 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from benchmarks._common import FRAME, StepCounter, start_engine
 from duplex.client import DuplexClient, Session, event_kind, turn_detection
 from duplex.stack import LocalStack
-from worker_service.engine import (
-    APPEND,
-    COMMIT,
-    RESPOND,
-    Engine,
-    Enqueue,
-    FenceToken,
-    OwnerStep,
-    QueueCounter,
-    Work,
-)
-from worker_service.model import StepModel
-from worker_service.models import create_model
+from worker_service.engine import APPEND, COMMIT, RESPOND, Engine, Enqueue, FenceToken, QueueCounter, Work
 from worker_service.server import resolve_device
 
-FRAME = 512
 FRAME_BYTES = FRAME * 2  # s16le mono at 16 kHz: the worker format of both models
 FRAMES_PER_S = 16000 / FRAME  # real time: 31.25 frames/s
 
@@ -162,49 +149,26 @@ def model_alone(
     spec: ModelSpec, device: torch.device, batch: int, *, seconds: float, cycle: int, torch_threads: int
 ) -> Rates:
     """Engine in-process: B requests, each always with input queued and always replying."""
-    lock = threading.Lock()
-    counts = {"steps": 0, "reply": 0}
-    feeder: _Feeder | None = None
-
-    def sink(items: list[tuple[str, OwnerStep]]) -> None:
-        with lock:
-            for _, item in items:
-                if item.step:
-                    counts["steps"] += 1
-                    counts["reply"] += len(item.audio)
-            steps = counts["steps"]
-        # On the engine thread: topping up here keeps a second Python thread off the GIL.
-        if feeder is not None:
-            feeder.top_up(steps)
-
-    def factory() -> StepModel[Any]:
-        return create_model(spec.name, device, spec.construct)
-
-    engine = Engine(factory, sink=sink, max_batch=batch, torch_threads=torch_threads)
-    engine.start()
+    counts = StepCounter()
+    engine = start_engine(
+        spec.name, device, spec.construct, counts, max_batch=batch, torch_threads=torch_threads
+    )
     try:
-        while engine.model is None and engine.dead is None:
-            time.sleep(0.01)
         if engine.model is None:
             raise RuntimeError(f"engine failed: {engine.dead!r}")
         options = engine.model.parse_options(spec.alone_params(cycle))
-        fed = _Feeder(engine, batch, cycle, options, ahead=max(4 * cycle, 256))
-        fed.top_up(0)
-        feeder = fed
+        feeder = _Feeder(engine, batch, cycle, options, ahead=max(4 * cycle, 256))
+        feeder.top_up(0)
+        # Topped up on the engine thread, after each batch: keeps a second Python thread off the GIL.
+        counts.then = feeder.top_up
         while engine.steps < 2 * cycle + 20 and engine.dead is None:  # replies running
             time.sleep(0.01)
-        with lock:
-            s0, r0 = counts["steps"], counts["reply"]
-        t0 = time.perf_counter()
-        time.sleep(seconds)
-        with lock:
-            s1, r1 = counts["steps"], counts["reply"]
-        dt = time.perf_counter() - t0
+        steps, reply, dt = counts.measure(seconds)
         if engine.dead is not None:
             raise RuntimeError(f"engine failed: {engine.dead!r}")
     finally:
         engine.stop()
-    return Rates(input_fps=(s1 - s0) * batch / dt, reply_fps=(r1 - r0) / dt)
+    return Rates(input_fps=steps * batch / dt, reply_fps=reply / dt)
 
 
 # ---------------------------------------------------------------------------------------------

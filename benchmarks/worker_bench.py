@@ -10,53 +10,22 @@ emitted), so each step is a full batch of the given size.
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from worker_service.engine import (
-    APPEND,
-    COMMIT,
-    RESPOND,
-    Engine,
-    Enqueue,
-    FenceToken,
-    OwnerStep,
-    QueueCounter,
-    Work,
-)
-from worker_service.model import StepModel
-from worker_service.models import create_model
+from benchmarks._common import FRAME, StepCounter, start_engine
+from worker_service.engine import APPEND, COMMIT, RESPOND, Engine, Enqueue, FenceToken, QueueCounter, Work
 from worker_service.server import resolve_device
-
-FRAME = 512
 
 
 def bench(
     model_name: str, options: dict[str, object], device: torch.device, batch: int, seconds: float
 ) -> tuple[float, float]:
-    frames_out = 0
-    steps = 0
-    lock = threading.Lock()
-
-    def sink(items: list[tuple[str, OwnerStep]]) -> None:
-        nonlocal frames_out, steps
-        with lock:
-            for _, item in items:
-                if item.step:
-                    steps += 1
-                    frames_out += len(item.audio)
-
-    def factory() -> StepModel[Any]:
-        return create_model(model_name, device, options)
-
-    engine = Engine(factory, sink=sink, max_batch=batch)
-    engine.start()
-    while engine.model is None and engine.dead is None:
-        time.sleep(0.01)
+    counts = StepCounter()
+    engine = start_engine(model_name, device, options, counts, max_batch=batch)
     rng = np.random.default_rng(0)
     n_in = 2000  # frames of input per request: more than a run consumes
     cmds: list[Any] = []
@@ -82,16 +51,10 @@ def bench(
     engine.submit(cmds)
     while engine.steps < 1000 + 20:
         time.sleep(0.01)
-    with lock:
-        s0, f0 = steps, frames_out
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    with lock:
-        s1, f1 = steps, frames_out
-    dt = time.perf_counter() - t0
+    steps, frames_out, dt = counts.measure(seconds)
     engine.stop()
-    step_rate = (s1 - s0) / dt
-    return step_rate, step_rate * batch + (f1 - f0) / dt
+    step_rate = steps / dt
+    return step_rate, step_rate * batch + frames_out / dt
 
 
 def _no_auto(model_name: str, engine: Engine) -> object | None:

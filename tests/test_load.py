@@ -27,8 +27,8 @@ import torch
 from duplex.audio import PCM16K_MONO
 from duplex.client import DuplexClient, Session, event_kind, turn_detection
 from duplex.v1 import session_pb2
-from tests.procs import ServiceProcess, start_service
-from tests.session_helpers import metric_sum, metric_value, metrics_text, wait_metric
+from tests.procs import ServiceProcess
+from tests.session_helpers import metric_sum, metric_value, metrics_text, worker_and_session, worker_args
 from worker_service.model import StepBatch
 from worker_service.models.synthetic import SyntheticModel, SyntheticOptions
 
@@ -51,46 +51,11 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    worker = start_service(
-        [
-            "worker",
-            "--model",
-            "synthetic",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-port",
-            "0",
-            "--device",
-            "cpu",
-            "--torch-threads",
-            "1",
-            "--hidden-size",
-            str(HIDDEN),
-            "--layers",
-            str(LAYERS),
-        ]
+    worker = worker_args(
+        "--hidden-size", str(HIDDEN), "--layers", str(LAYERS), model="synthetic", device="cpu"
     )
-    try:
-        session = start_service(
-            [
-                "session",
-                "--plugin",
-                SYNTHETIC,
-                "--workers",
-                worker.grpc,
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-port",
-                "0",
-            ]
-        )
-        try:
-            wait_metric(session.metrics, "duplex_session_workers_healthy", 1.0, timeout=30)
-            yield Stack(worker, session)
-        finally:
-            session.terminate(timeout=10)
-    finally:
-        worker.terminate(timeout=10)
+    with worker_and_session(worker, plugin=SYNTHETIC, stop_timeout=10) as procs:
+        yield Stack(*procs)
 
 
 @dataclass

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from duplex.client import DuplexClient, event_kind, turn_detection
-from tests.procs import ServiceProcess, start_service
-from tests.session_helpers import metric_value, metrics_text, wait_metric
+from tests.procs import ServiceProcess
+from tests.session_helpers import metric_value, metrics_text, worker_and_session, worker_args
 
 pytestmark = pytest.mark.process
 
@@ -30,50 +30,19 @@ HOLD_MS = 1000  # ~32 frames unconsumed before acks are held; + the client's 2 s
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     # A synthetic model heavy enough that one worker steps more slowly than one client sends.
-    worker = start_service(
-        [
-            "worker",
-            "--model",
-            "synthetic",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-port",
-            "0",
-            "--device",
-            "cpu",
-            "--torch-threads",
-            "1",
-            "--hidden-size",
-            "1536",
-            "--layers",
-            "6",
-            "--max-queued-frames",
-            str(QUEUE_FRAMES),
-        ]
+    worker = worker_args(
+        "--hidden-size",
+        "1536",
+        "--layers",
+        "6",
+        "--max-queued-frames",
+        str(QUEUE_FRAMES),
+        model="synthetic",
+        device="cpu",
     )
-    try:
-        session = start_service(
-            [
-                "session",
-                "--plugin",
-                SYNTHETIC,
-                "--workers",
-                worker.grpc,
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-port",
-                "0",
-                "--max-unconsumed-input-ms",
-                str(HOLD_MS),
-            ]
-        )
-        try:
-            wait_metric(session.metrics, "duplex_session_workers_healthy", 1.0, timeout=30)
-            yield worker, session
-        finally:
-            session.terminate()
-    finally:
-        worker.terminate()
+    hold = ("--max-unconsumed-input-ms", str(HOLD_MS))
+    with worker_and_session(worker, *hold, plugin=SYNTHETIC) as procs:
+        yield procs
 
 
 async def test_a_client_streaming_as_fast_as_acks_allow_is_never_refused(

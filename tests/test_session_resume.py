@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -18,7 +17,7 @@ import pytest
 
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat
 from duplex.errors import DuplexError, ErrorCode
-from duplex.v1 import session_pb2, worker_pb2
+from duplex.v1 import session_pb2
 from session_service import resume
 from session_service.config import ServiceConfig
 from session_service.plugin import SessionSettings, TurnDetection
@@ -26,34 +25,13 @@ from session_service.plugins.parrot import ParrotPlugin
 from session_service.routing import SessionRegistry
 from session_service.runner import SessionRunner, WorkerHandle
 from session_service.sessions import SessionManager
+from tests.session_helpers import FakeLink
+from tests.session_helpers import drain as events
 
 SECRET = b"shared-resume-secret"
 T0 = 1_700_000_000.0
 IN_FMT = PcmFormat(F32LE, 48000, 2)
 OUT_FMT = PcmFormat(S16LE, 24000, 1)
-
-
-class FakeLink:
-    """Records what runners hand to the worker; every write succeeds at once."""
-
-    address = "fake:1"
-
-    def __init__(self) -> None:
-        self.healthy = True
-        self.subs: list[worker_pb2.Submission] = []
-        self.releases: list[worker_pb2.Release] = []
-
-    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.subs.extend(subs)
-        fut.set_result(None)
-        return fut
-
-    def abort(self, abort: worker_pb2.Abort) -> None:
-        pass
-
-    def release(self, release: worker_pb2.Release) -> None:
-        self.releases.append(release)
 
 
 class FakePlacer:
@@ -132,13 +110,6 @@ EXPECTED = SessionSettings(
 async def settle() -> None:
     for _ in range(10):
         await asyncio.sleep(0)
-
-
-def events(r: SessionRunner) -> list[session_pb2.ServerEvent]:
-    out = []
-    while len(r.outbound):
-        out.append(r.outbound._items.popleft().event)
-    return out
 
 
 async def close_all(*managers: SessionManager) -> None:

@@ -4,7 +4,6 @@ append validation, the response lifecycle, refusals."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import pytest
 
@@ -15,41 +14,10 @@ from session_service.config import RunnerConfig
 from session_service.plugin import Fence
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.runner import RunnerDeps, SessionRunner
+from tests.session_helpers import FakeLink, drain
 
 FRAME = b"\x10\x00" * 512
 SID = "sess_unit"
-
-
-class FakeLink:
-    """Records what the runner hands to the worker; every write succeeds at once."""
-
-    address = "fake:1"
-
-    def __init__(self) -> None:
-        self.healthy = True
-        self.subs: list[worker_pb2.Submission] = []
-        self.aborts: list[worker_pb2.Abort] = []
-        self.releases: list[worker_pb2.Release] = []
-        self.fail_next = 0
-
-    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self.fail_next:
-            self.fail_next -= 1
-            fut.set_exception(ConnectionError("down"))
-        else:
-            self.subs.extend(subs)
-            fut.set_result(None)
-        return fut
-
-    def abort(self, abort: worker_pb2.Abort) -> None:
-        self.aborts.append(abort)
-
-    def release(self, release: worker_pb2.Release) -> None:
-        self.releases.append(release)
-
-    def kinds(self) -> list[int]:
-        return [s.kind for s in self.subs]
 
 
 async def _placer(session_id: str, epoch: int, takeover: bool):  # type: ignore[no-untyped-def]
@@ -75,14 +43,6 @@ def make_runner(link: FakeLink, **cfg: object) -> SessionRunner:
     )
     r.start()
     return r
-
-
-def drain(r: SessionRunner) -> list[session_pb2.ServerEvent]:
-    out = []
-    while len(r.outbound):
-        ev = r.outbound._items.popleft().event
-        out.append(ev)
-    return out
 
 
 def kinds(events: list[session_pb2.ServerEvent]) -> list[str]:

@@ -9,11 +9,11 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import torch
-from prometheus_client import REGISTRY
 
 from duplex import sparse
 from duplex.sparse import SparseCause, reset_sparse_log_state
 from duplex.v1 import common_pb2, worker_pb2
+from tests.sparse_helpers import all_fail_closed, fail_closed, invalid, pcm
 from worker_service import sparse_adapter
 from worker_service.sparse_adapter import adapt_multimodal_outputs
 
@@ -27,23 +27,6 @@ def _fresh_log_state() -> Iterator[None]:
     reset_sparse_log_state()
     yield
     reset_sparse_log_state()
-
-
-def fail_closed(cause: str) -> float:
-    return REGISTRY.get_sample_value("duplex_sparse_fail_closed_total", {"cause": cause}) or 0.0
-
-
-def invalid(carrier: str) -> float:
-    return REGISTRY.get_sample_value("duplex_sparse_invalid_declaration_total", {"carrier": carrier}) or 0.0
-
-
-def all_fail_closed() -> float:
-    return sum(fail_closed(c.value) for c in SparseCause)
-
-
-def pcm(tag: str) -> bytes:
-    # Even length: a whole number of s16le mono frames.
-    return tag.encode().hex().encode()
 
 
 def adapt(

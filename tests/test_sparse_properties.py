@@ -15,11 +15,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client import REGISTRY
 
-from duplex.sparse import SparseCause, reset_sparse_log_state
+from duplex.sparse import reset_sparse_log_state
 from duplex.v1 import common_pb2, worker_pb2
 from session_service.sparse_router import RoutedStep, route_step
+from tests.sparse_helpers import all_fail_closed, unknown
 from worker_service.sparse_adapter import adapt_multimodal_outputs
 
 AUDIO = worker_pb2.OUTPUT_TYPE_AUDIO
@@ -45,17 +45,6 @@ def encode(rid: str) -> bytes:
 
 def decode(pcm: bytes) -> str:
     return bytes.fromhex(pcm.decode()).decode()
-
-
-def fail_closed_total() -> float:
-    return sum(
-        REGISTRY.get_sample_value("duplex_sparse_fail_closed_total", {"cause": c.value}) or 0.0
-        for c in SparseCause
-    )
-
-
-def unknown_total() -> float:
-    return REGISTRY.get_sample_value("duplex_sparse_unknown_request_total") or 0.0
 
 
 def assert_never_misroutes(routed: RoutedStep, batch: list[str]) -> None:
@@ -110,13 +99,13 @@ def test_router_never_misroutes_and_invalid_routes_nothing(
 ) -> None:
     batch, s = case
     out = s.outputs
-    before_fail, before_unknown = fail_closed_total(), unknown_total()
+    before_fail, before_unknown = all_fail_closed(), unknown()
     routed = route_step(s)
     assert_never_misroutes(routed, batch)
 
     if out.output_type != AUDIO:
         assert routed == RoutedStep({}, tuple(batch), sparse=False, failed_closed=None)
-        assert fail_closed_total() == before_fail and unknown_total() == before_unknown
+        assert all_fail_closed() == before_fail and unknown() == before_unknown
         return
     req_id = list(out.req_id)
     if out.sparse_audio:
@@ -126,13 +115,13 @@ def test_router_never_misroutes_and_invalid_routes_nothing(
     if not valid:
         assert routed.failed_closed is not None
         assert dict(routed.payloads) == {} and routed.downstream_req_ids == ()
-        assert fail_closed_total() == before_fail + 1
-        assert unknown_total() == before_unknown
+        assert all_fail_closed() == before_fail + 1
+        assert unknown() == before_unknown
         return
-    assert routed.failed_closed is None and fail_closed_total() == before_fail
+    assert routed.failed_closed is None and all_fail_closed() == before_fail
     if out.sparse_audio:
         assert set(routed.payloads) == set(req_id) & set(batch)
-        assert unknown_total() == before_unknown + len(set(req_id) - set(batch))
+        assert unknown() == before_unknown + len(set(req_id) - set(batch))
     else:
         assert set(routed.payloads) == set(batch)
     assert set(routed.downstream_req_ids) == set(routed.payloads)
@@ -327,7 +316,7 @@ def legacy_cases(draw: st.DrawFn) -> LegacyCase:
 @PROFILE
 @given(legacy_cases())
 def test_legacy_pipeline_never_misroutes(case: LegacyCase) -> None:
-    before = fail_closed_total()
+    before = all_fail_closed()
     typed = adapt_multimodal_outputs(case.raw, output_type=case.output_type, batch_req_ids=case.batch)
     step = worker_pb2.StepOutput(
         step=7, batch=[worker_pb2.BatchEntry(request_id=r) for r in case.batch], outputs=typed
@@ -337,16 +326,16 @@ def test_legacy_pipeline_never_misroutes(case: LegacyCase) -> None:
 
     if case.output_type != AUDIO:
         # Never consulted: not counted, nothing routed, delivered densely.
-        assert fail_closed_total() == before
+        assert all_fail_closed() == before
         assert routed == RoutedStep({}, tuple(case.batch), sparse=False, failed_closed=None)
         return
     if case.corrupt:
         # The adapter failed closed into the zero-audio sparse shape, counted once.
         assert typed == worker_pb2.MultimodalOutputs(output_type=AUDIO, sparse_audio=True)
         assert dict(routed.payloads) == {} and routed.downstream_req_ids == ()
-        assert fail_closed_total() == before + 1
+        assert all_fail_closed() == before + 1
         return
-    assert fail_closed_total() == before
+    assert all_fail_closed() == before
     if case.sparse_ids is None:
         assert set(routed.payloads) == set(case.batch)
         assert routed.downstream_req_ids == tuple(case.batch)

@@ -6,11 +6,11 @@ import logging
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import REGISTRY
 
 from duplex.sparse import FailClosedReporter, SparseCause, reset_sparse_log_state
 from duplex.v1 import common_pb2, worker_pb2
 from session_service.sparse_router import RoutedStep, route_step
+from tests.sparse_helpers import all_fail_closed, fail_closed, invalid, pcm, unknown
 
 AUDIO = worker_pb2.OUTPUT_TYPE_AUDIO
 TEXT = worker_pb2.OUTPUT_TYPE_TEXT
@@ -21,26 +21,6 @@ def _fresh_log_state() -> Iterator[None]:
     reset_sparse_log_state()
     yield
     reset_sparse_log_state()
-
-
-def fail_closed(cause: str) -> float:
-    return REGISTRY.get_sample_value("duplex_sparse_fail_closed_total", {"cause": cause}) or 0.0
-
-
-def all_fail_closed() -> float:
-    return sum(fail_closed(c.value) for c in SparseCause)
-
-
-def typed_invalid() -> float:
-    return REGISTRY.get_sample_value("duplex_sparse_invalid_declaration_total", {"carrier": "typed"}) or 0.0
-
-
-def unknown() -> float:
-    return REGISTRY.get_sample_value("duplex_sparse_unknown_request_total") or 0.0
-
-
-def pcm(rid: str) -> bytes:
-    return rid.encode().hex().encode()
 
 
 def step(
@@ -77,11 +57,11 @@ class Counts:
     """Deltas of the sparse counters over a block."""
 
     def __enter__(self) -> Counts:
-        self._start = (all_fail_closed(), typed_invalid(), unknown())
+        self._start = (all_fail_closed(), invalid("typed"), unknown())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        end = (all_fail_closed(), typed_invalid(), unknown())
+        end = (all_fail_closed(), invalid("typed"), unknown())
         self.fail_closed, self.invalid, self.unknown = (e - s for e, s in zip(end, self._start, strict=True))
 
 

@@ -8,7 +8,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -16,20 +15,14 @@ import pytest
 from duplex import demo
 from duplex.audio import read_wav
 from duplex.stack import LocalStack, StackError
-from tests.procs import REPO, pid_alive
+from tests.procs import pid_alive, spawn
 
 pytestmark = pytest.mark.process
 
 
 def start_up(*extra: str, timeout: float = 60.0) -> tuple[subprocess.Popen[str], dict]:
     """``python -m duplex up --json`` on free ports; returns it and its JSON "up" line."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duplex", "up", "--json", "--session-port", "0", *extra],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = spawn(["up", "--json", "--session-port", "0", *extra])
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     try:

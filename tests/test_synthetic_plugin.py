@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
 
 import pytest
 from google.protobuf import json_format
@@ -27,6 +26,7 @@ from session_service.plugin import (
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.plugins.synthetic import SyntheticPlugin, SyntheticSampling
 from session_service.runner import RunnerDeps, SessionRunner
+from tests.session_helpers import FakeLink, drain
 from worker_service.models.synthetic import SyntheticModel, SyntheticOptions
 
 PATH = "session_service.plugins.synthetic:SyntheticPlugin"
@@ -178,35 +178,8 @@ async def test_worker_params_are_accepted_by_the_worker_model() -> None:
 # ---- one runner with a fake worker link -------------------------------------------------------
 
 
-class _Link:
-    address = "fake:1"
-
-    def __init__(self) -> None:
-        self.healthy = True
-        self.subs: list[worker_pb2.Submission] = []
-
-    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.subs.extend(subs)
-        fut.set_result(None)
-        return fut
-
-    def abort(self, abort: worker_pb2.Abort) -> None:
-        pass
-
-    def release(self, release: worker_pb2.Release) -> None:
-        pass
-
-
 async def _placer(session_id: str, epoch: int, takeover: bool) -> tuple[object, int]:
     raise AssertionError("not expected")
-
-
-def _events(r: SessionRunner) -> list[session_pb2.ServerEvent]:
-    out = []
-    while len(r.outbound):
-        out.append(r.outbound._items.popleft().event)
-    return out
 
 
 async def _settle() -> None:
@@ -217,7 +190,7 @@ async def _settle() -> None:
 async def test_runner_drives_manual_turns_with_the_plugin() -> None:
     plugin: DuplexModelPlugin = load_plugin(PATH)
     settings = plugin.default_settings()
-    link = _Link()
+    link = FakeLink()
     runner = SessionRunner(
         session_id=SID,
         settings=settings,
@@ -257,7 +230,7 @@ async def test_runner_drives_manual_turns_with_the_plugin() -> None:
             runner.on_output(fence, common_pb2.AudioPayload(pcm=FRAME), [upd])
         await asyncio.sleep(0.1)  # a few frame periods: nothing more is submitted after the turn
         assert len(link.subs) == 3
-        events = _events(runner)
+        events = drain(runner)
         names = [e.WhichOneof("event") for e in events]
         assert names == [
             "input_ack",
@@ -276,8 +249,6 @@ async def test_runner_drives_manual_turns_with_the_plugin() -> None:
 
 
 async def _fake_placer(session_id: str, epoch: int, takeover: bool):  # type: ignore[no-untyped-def]
-    from tests.test_session_runner import FakeLink
-
     return FakeLink(), epoch
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import select
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -20,6 +18,7 @@ from google.protobuf import struct_pb2
 
 from duplex.audio import PCM16K_MONO, encode, read_wav
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.procs import spawn
 from worker_service.config import WorkerConfig
 from worker_service.server import WorkerServer
 
@@ -182,15 +181,7 @@ def worker_process(
     *args: str, timeout: float = 30.0
 ) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
     """``python -m duplex worker ARGS`` until its listening line; killed (by pid) on exit."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duplex", "worker", "--listen", "127.0.0.1:0", "--metrics-port", "0", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = spawn(["worker", "--listen", "127.0.0.1:0", "--metrics-port", "0", *args], stderr=subprocess.PIPE)
     try:
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
