@@ -12,6 +12,7 @@ from duplex.errors import DuplexError
 from duplex.serving import split_host_port
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
+from session_service.resume import DEFAULT_MAX_AGE_S
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +31,10 @@ def _parser() -> argparse.ArgumentParser:
         "(default: $DUPLEX_RESUME_SECRET, else random per process)",
     )
     p.add_argument(
-        "--resume-max-age-s", type=float, default=86_400.0, help="how long a resume token stays valid"
+        "--resume-max-age-s",
+        type=float,
+        default=DEFAULT_MAX_AGE_S,
+        help="how long a resume token stays valid",
     )
     p.add_argument("--replica-id", default="", help="owner id towards workers (default: random)")
     p.add_argument("--drain-grace-s", type=float, default=10.0)

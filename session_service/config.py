@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from session_service.resume import DEFAULT_MAX_AGE_S
+
 
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
@@ -48,7 +50,7 @@ class ServiceConfig:
     """Port of the ``/metrics`` endpoint; 0 picks a free port."""
     max_sessions: int = 256
     """Most concurrent sessions this replica accepts (RESOURCE_EXHAUSTED beyond)."""
-    resume_max_age_s: float = 86_400.0
+    resume_max_age_s: float = DEFAULT_MAX_AGE_S
     """How long a resume token stays valid after it was issued (``go_away`` and resumes hand out
     fresh ones)."""
     resume_secret: bytes = b""

@@ -41,7 +41,7 @@ from session_service.plugin import DuplexModelPlugin, SessionSettings, TurnDetec
 
 VERSION = "v1"
 """The token layout this module issues (and the only one it accepts)."""
-DEFAULT_MAX_AGE_S = 3600.0
+DEFAULT_MAX_AGE_S = 86_400.0
 """How long a token is accepted after it was issued."""
 MAX_CLOCK_SKEW_S = 60.0
 """How far in the future an issue time may lie (replica clocks differ a little)."""
