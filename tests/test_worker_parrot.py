@@ -192,3 +192,33 @@ def test_vad_on_cuda_matches_cpu(model: ParrotModel) -> None:
         b = gpu.vad(np.array([s.slot for s in gpu_states]), signals)
         np.testing.assert_allclose(a, b, atol=1e-3)
     assert gpu._state.device.type == "cuda"
+
+
+def test_a_failed_reply_fails_its_request_only(model: ParrotModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reply is computed off the engine thread; its failure must come back as that request's
+    error, not as an exception out of the batched step (which would take the worker down)."""
+    import worker_service.models.parrot as parrot
+
+    good, bad = model.create_state("good"), model.create_state("bad")
+    for st in (good, bad):
+        model.set_options(st, model.parse_options({"auto_commit": False}))
+        st.committed = np.full(4 * FRAME, 0.1, np.float32)
+    model.respond(good)
+    assert good.pending is not None
+    good.pending.result(timeout=10)
+
+    def boom(utterance: np.ndarray, pitch: float) -> np.ndarray:
+        raise MemoryError("boom")
+
+    monkeypatch.setattr(parrot, "parrot_reply", boom)
+    model.respond(bad)
+    assert bad.pending is not None
+    with pytest.raises(MemoryError):
+        bad.pending.result(timeout=10)
+    frames = np.zeros((2, FRAME), np.float32)
+    res = model.step(StepBatch(["good", "bad"], [good, bad], frames, np.ones(2, np.bool_)))
+    assert res.news[1] is not None and res.news[1].error
+    assert bad.pending is None and not model.is_responding(bad)
+    assert list(res.outputs.req_id) == ["good"]  # the other request's reply goes on
+    model.release_state(good)
+    model.release_state(bad)

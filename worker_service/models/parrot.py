@@ -8,6 +8,7 @@ scalar updates; the audio work is numpy vector ops, never a Python loop over sam
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -33,6 +34,8 @@ from worker_service.model import (
     float_option,
     no_committed_input,
 )
+
+logger = logging.getLogger(__name__)
 
 FRAME = 512
 """Silero's chunk at 16 kHz: 32 ms."""
@@ -288,7 +291,13 @@ class ParrotModel(StepModel[ParrotState]):
             if batch.has_input[i]:
                 n = self._listen(st, batch.frames[i], float(probs[i]))
             if st.pending is not None and st.pending.done():
-                st.reply, st.pending = st.pending.result(), None
+                done, st.pending = st.pending, None
+                try:
+                    st.reply = done.result()
+                except Exception as exc:  # this request's reply failed; the batch goes on
+                    logger.exception("parrot reply failed", exc_info=exc)
+                    news[i] = RequestNews(error="the reply could not be computed")
+                    continue
             if batch.has_input[i] and st.reply_pos < len(st.reply):
                 chunk = st.reply[st.reply_pos : st.reply_pos + frame_bytes]
                 st.reply_pos += len(chunk)
