@@ -160,8 +160,11 @@ class Liveness:
             owed.pop(rel.request_id, None)
 
     def heard(self, step: worker_pb2.StepOutput) -> None:
-        """A StepOutput arrived: the worker is alive; settle what it answers."""
-        self.last_output = self._clock()
+        """A StepOutput arrived: settle what it answers. Only engine output proves the worker
+        alive: rejections (``step=0``, every update an error) come from its asyncio side, which
+        answers even while its engine thread is stuck."""
+        if step.step or any(not u.error.code for u in step.updates):
+            self.last_output = self._clock()
         owed = self._owed
         if not owed:
             return

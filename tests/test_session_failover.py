@@ -779,6 +779,14 @@ def test_liveness_owes_only_what_the_worker_must_answer() -> None:
     live.written([_sub(APPEND, rid="r3", seq=1)])
     live.heard(_update(rid="r3", error=worker_pb2.WorkerError(code="capacity")))
     assert live.owing == 0
+    # Rejections come from the worker's asyncio side, which answers even with its engine thread
+    # stuck: they settle the rejected request but do not prove the worker alive.
+    live.written([_sub(APPEND, rid="r4", seq=1)])
+    now[0] += 2
+    live.heard(_update(rid="r5", error=worker_pb2.WorkerError(code="capacity")))
+    assert live.owing == 1 and live.quiet_for() == 2.0
+    live.heard(_update(rid="r4", input_seq=1))
+    assert live.owing == 0
     # A newer epoch's work replaces what the older one owed (the worker drops the older work).
     live.written([_sub(APPEND, seq=7)])
     live.written([_sub(APPEND, epoch=2, seq=1)])
