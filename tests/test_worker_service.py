@@ -336,3 +336,18 @@ async def test_orphaned_sessions_are_released_after_the_grace() -> None:
         )
         assert resp.resumed
         alive.close()
+
+
+async def test_a_displaced_owner_is_told_at_once() -> None:
+    """After a takeover the old owner's queued work is gone; it hears so without submitting
+    again (otherwise it would wait for output that never comes)."""
+    async with worker() as (_, stub):
+        await attach(stub, "s1", "old")
+        old = RunClient(stub, "old")
+        old.send(sub("r1", "s1", APPEND, seq=1, data=pcm(noise(2))))
+        await old.until(lambda m: any(u.input_seq == 1 for u in m.updates))
+        assert await attach(stub, "s1", "new", takeover=True) == 2
+        got = await old.until(lambda m: bool(error_codes([m], "r1")))
+        assert error_codes(got, "r1") == ["not_owner"]
+        assert got[-1].step == 0 and got[-1].updates[0].fence.epoch == 2
+        old.close()

@@ -106,6 +106,11 @@ class FenceTable:
             old, _ = self._tombstones.popitem(last=False)
             self._sessions.pop(old, None)
 
+    def owner_of(self, session_id: str) -> str | None:
+        """The owner a live session is attached to."""
+        cur = self._sessions.get(session_id)
+        return cur.owner if cur is not None and cur.live else None
+
     def live_sessions_of(self, owner: str) -> list[str]:
         """Sessions currently attached to ``owner`` (a scan: only for the rare orphan reap)."""
         return [sid for sid, f in self._sessions.items() if f.live and f.owner == owner]

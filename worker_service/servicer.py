@@ -77,6 +77,8 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         self._hub = hub
         self._fences = fences
         self._counters: dict[str, QueueCounter] = {}
+        # The request id each session's owner uses (to tell a displaced owner about a takeover).
+        self._request_ids: dict[str, str] = {}
         self._reapers: dict[str, asyncio.Task[None]] = {}
 
     def _serving_model(self) -> StepModel[Any]:
@@ -113,14 +115,28 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             self._serving_model()
             if not request.session_id or not request.owner:
                 raise BadRequestError(ErrorCode.INVALID_EVENT, "Attach needs session_id and owner")
+            previous = self._fences.owner_of(request.session_id)
             admission, was_live = self._fences.attach(
                 request.session_id, request.epoch, request.owner, request.takeover
             )
             if admission.bumped:
                 self._engine.submit([AbortOlder(request.session_id, admission.epoch)])
+            if previous is not None and previous != request.owner:
+                self._tell_displaced(previous, request.session_id, admission.epoch)
         except DuplexError as err:
             await abort(context, err)
         return worker_pb2.AttachResponse(epoch=admission.epoch, resumed=was_live)
+
+    def _tell_displaced(self, owner: str, session_id: str, epoch: int) -> None:
+        """The session was taken over: its old owner's queued work is gone and nothing more will
+        come of it, so say so now (it stops waiting, fails the session closed) rather than at
+        its next submission."""
+        request_id = self._request_ids.get(session_id)
+        if request_id is None:
+            return
+        fence = FenceToken(session_id, epoch, 0)
+        msg = "the session was taken over by another owner"
+        self._hub.send_updates(owner, [Update(request_id, fence, error=(ErrorCode.NOT_OWNER.value, msg))])
 
     # -- the command stream ----------------------------------------------------------------------
 
@@ -184,6 +200,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         for sid in orphans:
             self._fences.release(sid)
             self._counters.pop(sid, None)
+            self._request_ids.pop(sid, None)
 
     def cancel_reapers(self) -> None:
         """Stop pending orphan reaps (server shutdown)."""
@@ -245,6 +262,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             if admission.bumped:
                 engine_cmds.append(AbortOlder(sub.fence.session_id, admission.epoch))
             counter.submitted += work.units
+            self._request_ids[sub.fence.session_id] = sub.request_id
             engine_cmds.append(Enqueue(work, counter))
         for rel in cmd.release:
             sid = rel.fence.session_id
@@ -255,6 +273,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             engine_cmds.append(ReleaseSession(sid))
             self._fences.release(sid)
             self._counters.pop(sid, None)
+            self._request_ids.pop(sid, None)
         self._engine.submit(engine_cmds)
         if rejected:
             self._hub.send_updates(owner, rejected)
