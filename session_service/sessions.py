@@ -39,7 +39,14 @@ from session_service.resume import (
     issue,
 )
 from session_service.routing import SessionRegistry
-from session_service.runner import Placer, RunnerDeps, SessionRunner, settings_from_proto, struct_to_dict
+from session_service.runner import (
+    Placer,
+    RunnerDeps,
+    SessionRunner,
+    WorkerHandle,
+    settings_from_proto,
+    struct_to_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -209,20 +216,9 @@ class SessionManager:
             except ResumeTokenTooLargeError as exc:
                 raise BadRequestError(ErrorCode.INVALID_CONFIG, str(exc)) from exc
             link, epoch = await self._placer(session_id, FIRST_EPOCH, False)
-            runner = SessionRunner(
-                session_id=session_id,
-                settings=settings,
-                runtime_config=runtime,
-                link=link,
-                epoch=epoch,
-                resume_token=token,
-                deps=self._deps(),
-            )
         finally:
             self._opening -= 1
-        self._client_extra[session_id] = extra
-        self._start(runner)
-        return runner
+        return self._start(session_id, settings, runtime, extra, link, epoch, token)
 
     async def resume(self, msg: session_pb2.SessionResume) -> SessionRunner:
         """Re-bind to a live runner here, or take the session over from another replica."""
@@ -282,26 +278,36 @@ class SessionManager:
                 if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
                     raise FencedError(ErrorCode.FENCED, f"session is fenced: {err.message}") from err
                 raise
-            runner = SessionRunner(
-                session_id=claims.session_id,
-                settings=settings,
-                runtime_config=runtime,
-                link=link,
-                epoch=epoch,
-                resume_token=token,
-                deps=self._deps(),
-            )
         finally:
             self._opening -= 1
-        self._client_extra[claims.session_id] = extra
-        self._start(runner)
-        return runner
+        return self._start(claims.session_id, settings, runtime, extra, link, epoch, token)
 
-    def _start(self, runner: SessionRunner) -> None:
+    def _start(
+        self,
+        session_id: str,
+        settings: SessionSettings,
+        runtime: dict[str, object],
+        extra: dict[str, object],
+        link: WorkerHandle,
+        epoch: int,
+        token: str,
+    ) -> SessionRunner:
+        """Build, register, greet and start the runner of an opened or taken-over session."""
+        runner = SessionRunner(
+            session_id=session_id,
+            settings=settings,
+            runtime_config=runtime,
+            link=link,
+            epoch=epoch,
+            resume_token=token,
+            deps=self._deps(),
+        )
+        self._client_extra[session_id] = extra
         self._registry.add(runner)
         ACTIVE_SESSIONS.set(len(self._registry))
         runner.greet()
         runner.start()
+        return runner
 
     async def drain(self, grace_s: float) -> None:
         """go_away to every client, let active responses finish (bounded), then close all."""
