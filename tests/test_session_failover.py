@@ -242,6 +242,21 @@ def assert_only_own_audio(conv: Conversation) -> None:
 # ---- tests -----------------------------------------------------------------------------------
 
 
+async def close_all_checked(convs: Sequence[Conversation]) -> None:
+    """Every session heard only its own audio and is still open; close them all."""
+    for c in convs:
+        assert_only_own_audio(c)
+        assert "closed" not in c.kinds()
+        close(c)
+    await asyncio.gather(*(c.wait_done() for c in convs))
+
+
+def assert_lost_counted(stack: Any, victims: int) -> None:
+    text = metrics_text(stack.session.metrics)
+    lost = metric_value(text, "duplex_session_errors_total", 'code="worker_unavailable"')
+    assert (lost or 0) >= victims
+
+
 @pytest.mark.process
 async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack: Stack) -> None:
     async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
@@ -315,14 +330,8 @@ async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack
         assert_own_content(again, [t.reply(d.response_id) for t, d in zip(again, a_done, strict=True)])
         # Only sessions that submitted since are placed again (idle ones move on their next event).
         assert (placed(stack, 0), placed(stack, 1)) == (0, len(survivors) + len(talking_victims))
-        for c in convs:
-            assert_only_own_audio(c)
-            assert "closed" not in c.kinds()
-            close(c)
-        await asyncio.gather(*(c.wait_done() for c in convs))
-    text = metrics_text(stack.session.metrics)
-    lost = metric_value(text, "duplex_session_errors_total", 'code="worker_unavailable"')
-    assert (lost or 0) >= len(victims)
+        await close_all_checked(convs)
+    assert_lost_counted(stack, len(victims))
 
 
 @pytest.mark.process
@@ -499,14 +508,8 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
 
             stop_babble.set()
             await asyncio.gather(*babblers)
-            for c in convs:
-                assert_only_own_audio(c)
-                assert "closed" not in c.kinds()
-                close(c)
-            await asyncio.gather(*(c.wait_done() for c in convs))
-        text = metrics_text(stack.session.metrics)
-        lost = metric_value(text, "duplex_session_errors_total", 'code="worker_unavailable"')
-        assert (lost or 0) >= len(victims)
+            await close_all_checked(convs)
+        assert_lost_counted(stack, len(victims))
     finally:
         stop_babble.set()
         for task in babblers:
