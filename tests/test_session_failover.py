@@ -133,13 +133,21 @@ def stall_stack() -> Iterator[Stack]:
 
 
 async def health(address: str) -> int:
-    """The session service's health, the same for the server ("") and the session service."""
+    """The session service's health, the same for the server ("") and the session service.
+
+    The two are set one after the other, so a read that falls between the two writes of one
+    change sees them differ: read again until they agree (they must, within a second)."""
+    deadline = time.monotonic() + 1.0
     async with grpc.aio.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        got = {
-            (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
-            for name in ("", "duplex.v1.DuplexSession")
-        }
+        while True:
+            got = {
+                (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
+                for name in ("", "duplex.v1.DuplexSession")
+            }
+            if len(got) == 1 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
     assert len(got) == 1, got
     status: int = got.pop()
     return status

@@ -12,6 +12,8 @@ from worker_service.model import SPEECH_STARTED, SPEECH_STOPPED, StepBatch
 from worker_service.models.parrot import ParrotModel, ParrotState, load_silero, parrot_reply
 
 SPEECH = [f"speech_{i:02d}.wav" for i in range(16)] + ["hello.wav"]
+#: Batched vs one-by-one VAD probability tolerance (see test_batched_vad_matches_one_by_one).
+VAD_ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,18 @@ def test_batched_vad_matches_one_by_one(model: ParrotModel) -> None:
             got[order, k] = model.vad(slots, frames)
         for st in states:
             model.release_state(st)
-    np.testing.assert_allclose(got, expected, atol=1e-5)
+    # Batched and one-by-one float32 kernels sum in different orders (oneDNN/MKL pick other
+    # GEMM blockings for B=6 than for B=1, and AVX-512 machines other ones again): each LSTM step
+    # differs by a few ulp and 40 recurrent steps carry that into the probability. On an AVX-512
+    # EPYC the worst case measured was 2.04e-5 (on AVX2 it stays under 1e-5), so the bound is
+    # set an order of magnitude above that: far below what a wrong slot, a stale state or a
+    # missing context would do (differences of 1e-2 and more).
+    np.testing.assert_allclose(got, expected, atol=VAD_ATOL)
+    # What the model acts on is the decision: it is the same wherever a probability is not
+    # within that rounding of the threshold.
+    threshold = 0.5
+    clear = np.abs(expected - threshold) > VAD_ATOL
+    np.testing.assert_array_equal((got > threshold)[clear], (expected > threshold)[clear])
     assert expected.max() > 0.5  # the comparison covers speech, not just silence
 
 
