@@ -16,7 +16,8 @@ EVENTS: Final = Counter(
 ERRORS: Final = Counter("duplex_session_errors", "Errors sent to clients, by stable code.", ["code"])
 DROPPED_OUTPUTS: Final = Counter(
     "duplex_session_dropped_outputs",
-    "Worker outputs (audio, text, updates) not delivered to a client, by reason.",
+    "Worker outputs (audio, text, updates) not delivered to a client, by reason "
+    "(see session_service.worker_output).",
     ["reason"],
 )
 FRAME_LATENCY: Final = Histogram(
@@ -48,17 +49,8 @@ MAILBOX_FULL: Final = Counter(
     "duplex_session_mailbox_full", "Internal events skipped because a session mailbox was full."
 )
 
-# Known label values exist from the start, so rate() alerts see a zero series.
-for _reason in (
-    "stale_epoch",
-    "stale_turn",
-    "response_cancelled",
-    "unknown_request",
-    "stale_worker",
-    "purged",
-    "fail_closed",
-):
-    DROPPED_OUTPUTS.labels(reason=_reason)
+# Known label values exist from the start, so rate() alerts see a zero series (the drop
+# reasons are created with their table, session_service.worker_output.DropReason).
 for _stage in ("ack", "first_audio"):
     FRAME_LATENCY.labels(stage=_stage)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from duplex.v1 import session_pb2
 from session_service.metrics import DROPPED, EVENTS_OUT
+from session_service.worker_output import DropReason, output_is_stale
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ class Outbound:
         if dropped:
             self._items = keep
             self._bytes = sum(i.size for i in keep)
-            DROPPED["purged"].inc(dropped)
+            DROPPED[DropReason.PURGED].inc(dropped)
         return dropped
 
     @property
@@ -100,15 +101,22 @@ class Outbound:
         while True:
             if attachment != self._attachment:
                 return None
-            while self._items:
-                item = self._items.popleft()
-                self._bytes -= item.size
-                if item.epoch is not None and item.epoch < self._current_epoch():
-                    DROPPED["stale_epoch"].inc()
-                    continue
-                EVENTS_OUT[item.event.WhichOneof("event") or "none"].inc()
-                return item.event
+            event = self.get_nowait()
+            if event is not None:
+                return event
             if self._closed:
                 return None
             self._wake.clear()
             await self._wake.wait()
+
+    def get_nowait(self) -> session_pb2.ServerEvent | None:
+        """The next deliverable event, or None when none is queued now."""
+        while self._items:
+            item = self._items.popleft()
+            self._bytes -= item.size
+            if item.epoch is not None and output_is_stale(item.epoch, self._current_epoch()):
+                DROPPED[DropReason.STALE_EPOCH].inc()
+                continue
+            EVENTS_OUT[item.event.WhichOneof("event") or "none"].inc()
+            return item.event
+        return None

@@ -15,6 +15,7 @@ from duplex.v1 import common_pb2, worker_pb2
 from session_service.metrics import DROPPED
 from session_service.runner import SessionRunner, WorkerHandle
 from session_service.sparse_router import route_step
+from session_service.worker_output import DropReason
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Router:
     def on_step(self, link: WorkerHandle, step: worker_pb2.StepOutput) -> None:
         routed = route_step(step)
         if routed.failed_closed is not None:
-            DROPPED["fail_closed"].inc(len(step.outputs.audio))
+            DROPPED[DropReason.FAIL_CLOSED].inc(len(step.outputs.audio))
         fences: dict[str, common_pb2.Fence] = {e.request_id: e.fence for e in step.batch}
         updates: dict[str, list[worker_pb2.RequestUpdate]] = {}
         for u in step.updates:
@@ -62,10 +63,10 @@ class Router:
         for rid in targets:
             runner = self._registry.get(rid)
             if runner is None:
-                DROPPED["unknown_request"].inc()
+                DROPPED[DropReason.UNKNOWN_REQUEST].inc()
                 continue
             if runner.link is not link:
-                DROPPED["stale_worker"].inc()
+                DROPPED[DropReason.STALE_WORKER].inc()
                 continue
             try:
                 runner.on_output(fences.get(rid), routed.payloads.get(rid), updates.get(rid, ()))

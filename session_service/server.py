@@ -13,11 +13,11 @@ import grpc
 from duplex.serving import Health, add_reflection, bind, serve_metrics, server_options, split_host_port
 from duplex.v1 import session_pb2_grpc
 from session_service.config import ServiceConfig
+from session_service.placement import WorkerPool
 from session_service.plugin import DuplexModelPlugin
 from session_service.routing import Router, SessionRegistry
 from session_service.servicer import SERVICE_NAME, DuplexSessionServicer
 from session_service.sessions import SessionManager
-from session_service.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 

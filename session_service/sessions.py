@@ -39,14 +39,8 @@ from session_service.resume import (
     issue,
 )
 from session_service.routing import SessionRegistry
-from session_service.runner import (
-    Placer,
-    RunnerDeps,
-    SessionRunner,
-    WorkerHandle,
-    settings_from_proto,
-    struct_to_dict,
-)
+from session_service.runner import Placer, RunnerDeps, SessionRunner, WorkerHandle
+from session_service.settings import settings_from_proto, struct_to_dict
 
 log = logging.getLogger(__name__)
 

@@ -314,8 +314,8 @@ class FakeLink:
 
 
 def drain(r: SessionRunner) -> list[session_pb2.ServerEvent]:
-    """Take every event the runner has queued for its client."""
+    """Take every event the runner has queued for its client (as a stream would)."""
     out = []
-    while len(r.outbound):
-        out.append(r.outbound._items.popleft().event)
+    while (ev := r.outbound.get_nowait()) is not None:
+        out.append(ev)
     return out

@@ -35,10 +35,11 @@ from duplex.errors import BadRequestError, DuplexError, ErrorCode, FencedError, 
 from duplex.serving import split_host_port
 from duplex.v1 import common_pb2, session_pb2, worker_pb2, worker_pb2_grpc
 from session_service.config import RunnerConfig
-from session_service.hashing import rendezvous_pick, rendezvous_rank
+from session_service.liveness import Liveness
+from session_service.placement import WorkerPool, rendezvous_pick, rendezvous_rank
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
-from session_service.worker_pool import Liveness, WorkerLink, WorkerPool
+from session_service.worker_link import WorkerLink
 from tests.procs import ServiceProcess, start_all, start_service
 from tests.session_helpers import (
     Conversation,

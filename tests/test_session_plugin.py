@@ -13,7 +13,7 @@ import pytest
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, encode
 from duplex.errors import DuplexError, ErrorCode
 from duplex.v1 import common_pb2, worker_pb2
-from session_service.hashing import rendezvous_pick, rendezvous_rank
+from session_service.placement import rendezvous_pick, rendezvous_rank
 from session_service.plugin import (
     FramePacketizer,
     PluginLoadError,

@@ -1,0 +1,161 @@
+"""The plugin base class: session policy and engine policy of one model, in one object."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from duplex.audio import PCM16K_MONO, PcmFormat
+from duplex.errors import ErrorCode
+from duplex.fence import Fence
+from duplex.v1 import worker_pb2
+from session_service.plugin._data_plane import DataPlane
+from session_service.plugin._pcm_buffer import FramePacketizer, PcmAppendBuffer
+from session_service.plugin._types import (
+    Capabilities,
+    OutputAction,
+    OutputDecision,
+    SessionSettings,
+)
+
+
+@dataclass(slots=True)
+class ModelSessionState:
+    """Model-owned per-session state, owned by the session's runner (never shared)."""
+
+    audio_buffer: PcmAppendBuffer
+    """Client PCM to worker frames."""
+    input_since_commit_samples: int = 0
+    """Worker-format samples handed on since the last commit."""
+    context_locked: bool = False
+    """Set at the first response: instructions may no longer change."""
+
+
+class DuplexModelPlugin(ABC):
+    """Everything the session service needs to know about one full-duplex model."""
+
+    plugin_id: str = ""
+    """The id clients name in ``open.model``."""
+    model_id: str = ""
+    """The worker ``model_id`` this plugin drives (defaults to ``plugin_id``)."""
+    private_runtime_config_keys: frozenset[str] = frozenset()
+    """extra_body keys reserved for the server (rejected with ``private_runtime_key``)."""
+    data_plane: DataPlane
+    """Projection of step outputs into client events."""
+    worker_format: PcmFormat = PCM16K_MONO
+    """Format of PCM on the worker stream."""
+    frame_samples: int = 0
+    """Samples per worker frame; appends carry whole frames."""
+    sampling_defaults: tuple[object, ...] = ()
+    """One sampling parameter object per stage; configured values must keep each type."""
+    max_append_bytes: int = 256 * 1024
+    """Largest client append chunk."""
+    silence_continuation: bool = False
+    """The model is lockstep (clocked by input frames, e.g. parrot): while a response is active
+    and the client sends no audio, the runner feeds silence at real-time deadlines so the turn
+    goes on. Free-running models leave it off."""
+
+    # ---- session policy ----
+
+    @abstractmethod
+    def capabilities(self, *, max_sessions: int) -> Capabilities: ...
+
+    @abstractmethod
+    def default_settings(self) -> SessionSettings:
+        """Settings of a session resumed on a replica that never saw its open."""
+
+    @abstractmethod
+    def validate_client_extra_body(self, extra_body: Mapping[str, object]) -> None:
+        """Raise ``RuntimeConfigError`` (private keys: code ``private_runtime_key``)."""
+
+    @abstractmethod
+    async def prepare_runtime_config(
+        self, settings: SessionSettings, extra_body: Mapping[str, object]
+    ) -> dict[str, object]:
+        """The runtime config of a new session (may do I/O, e.g. load a voice)."""
+
+    @abstractmethod
+    def runtime_config_for_update(
+        self, settings: SessionSettings, current: Mapping[str, object], extra_body: Mapping[str, object]
+    ) -> dict[str, object]:
+        """The runtime config after a session update (already validated extra_body)."""
+
+    def runtime_config_for_function_output(
+        self, settings: SessionSettings, current: Mapping[str, object], call_id: str, output: str
+    ) -> dict[str, object] | None:
+        """A runtime config patch for a function-call result; models without tools keep None."""
+        del settings, current, call_id, output
+        return None
+
+    def runtime_config_after_model_output(
+        self, current: Mapping[str, object], update: worker_pb2.RequestUpdate
+    ) -> dict[str, object] | None:
+        """A runtime config patch after a model output was observed (default: none)."""
+        del current, update
+        return None
+
+    def create_session_state(self, settings: SessionSettings) -> ModelSessionState:
+        return ModelSessionState(
+            audio_buffer=FramePacketizer(settings.input_format, self.worker_format, self.frame_samples)
+        )
+
+    # ---- engine policy ----
+
+    @abstractmethod
+    def configure_sampling_params(
+        self, *, runtime_config: Mapping[str, object], defaults: tuple[object, ...]
+    ) -> tuple[object, ...]:
+        """One sampling parameter per stage, each of its default's type."""
+
+    @abstractmethod
+    def worker_params(
+        self, *, settings: SessionSettings, runtime_config: Mapping[str, object], sampling: tuple[object, ...]
+    ) -> dict[str, Any]:
+        """The worker's model options (``Submission.params``) for this session."""
+
+    def plan_append(
+        self, *, request_id: str, fence: Fence, seq: int, frames: bytes, params: Mapping[str, Any] | None
+    ) -> list[worker_pb2.Submission]:
+        """Submissions that hand ``frames`` (whole worker frames) to the worker."""
+        if not frames:
+            return []
+        sub = worker_pb2.Submission(
+            request_id=request_id, kind=worker_pb2.SUBMISSION_KIND_APPEND, seq=seq, pcm=frames
+        )
+        fence.write_to(sub.fence)
+        _set_params(sub, params)
+        return [sub]
+
+    def plan_control(
+        self,
+        *,
+        request_id: str,
+        fence: Fence,
+        kind: worker_pb2.SubmissionKind.ValueType,
+        params: Mapping[str, Any] | None,
+    ) -> worker_pb2.Submission:
+        """A COMMIT, RESPOND or CLEAR submission."""
+        sub = worker_pb2.Submission(request_id=request_id, kind=kind)
+        fence.write_to(sub.fence)
+        _set_params(sub, params)
+        return sub
+
+    def decide_output(self, update: worker_pb2.RequestUpdate) -> OutputDecision | None:
+        """What an update means for the active response (None: nothing)."""
+        if update.HasField("error"):
+            return OutputDecision(OutputAction.FAIL, update.error.code or ErrorCode.MODEL_ERROR.value)
+        if update.response_finished:
+            return OutputDecision(OutputAction.COMPLETE)
+        return None
+
+    def commit_model_context(self, *, session_id: str, assistant_text: str) -> None:
+        """Persist model-context history at a turn boundary (default: nothing to keep)."""
+        del session_id, assistant_text
+
+
+def _set_params(sub: worker_pb2.Submission, params: Mapping[str, Any] | None) -> None:
+    if params is not None:
+        sub.params.SetInParent()  # present even when empty: "the options are now these"
+        sub.params.update(dict(params))

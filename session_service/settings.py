@@ -1,0 +1,85 @@
+"""Session settings between the wire and the domain: ``SessionConfig`` and ``extra_body``.
+
+Used by opens (``sessions``) and updates (``runner``); every bad value raises a
+``BadEventError`` with a stable code, which an open turns into a call-ending status and an
+update into an error event.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import json_format, struct_pb2
+
+from duplex.audio import PcmFormat
+from duplex.errors import BadEventError, ErrorCode
+from duplex.v1 import session_pb2
+from session_service.plugin import SessionSettings, TurnDetection
+
+#: Bounds of ``turn_detection.silence_ms`` (checked here so a bad value fails the open or
+#: update with a clear code instead of a worker rejection later).
+MIN_SILENCE_MS = 100
+MAX_SILENCE_MS = 10_000
+
+#: Largest ``extra_body`` accepted. Checked on the wire size (computed in C) before the
+#: pure-Python conversion, which a huge Struct would otherwise run on the event loop.
+MAX_EXTRA_BODY_BYTES = 16 * 1024
+
+#: Output modalities a client may ask for.
+MODALITIES = ("audio", "text")
+
+
+def settings_from_proto(
+    cfg: session_pb2.SessionConfig,
+    base: SessionSettings | None,
+    *,
+    require_input: bool,
+    default_turn: TurnDetection | None = None,
+) -> SessionSettings:
+    """Domain settings from a wire config; unset fields keep ``base`` (or, for a new session,
+    ``default_turn``: the plugin's turn detection defaults). Raises BadEventError."""
+    if cfg.HasField("input_format"):
+        input_format = PcmFormat.from_proto(cfg.input_format)
+    elif base is not None and not require_input:
+        input_format = base.input_format
+    else:
+        raise BadEventError(ErrorCode.INVALID_CONFIG, "config.input_format is required")
+    if cfg.HasField("output_format"):
+        output_format = PcmFormat.from_proto(cfg.output_format)
+    elif base is not None and not require_input:
+        output_format = base.output_format
+    else:
+        # Default: the input's rate with the input's encoding, mono.
+        output_format = PcmFormat(input_format.encoding, input_format.sample_rate_hz, 1)
+    if cfg.HasField("turn_detection"):
+        td = cfg.turn_detection
+        if td.silence_ms and not MIN_SILENCE_MS <= td.silence_ms <= MAX_SILENCE_MS:
+            raise BadEventError(
+                ErrorCode.INVALID_CONFIG,
+                "turn_detection.silence_ms must be 0 (the model's default) "
+                f"or in [{MIN_SILENCE_MS}, {MAX_SILENCE_MS}]",
+            )
+        turn = TurnDetection(auto_respond=td.auto_respond, silence_ms=td.silence_ms, barge_in=td.barge_in)
+    else:
+        turn = base.turn_detection if base is not None else (default_turn or TurnDetection())
+    for m in cfg.modalities:
+        if m not in MODALITIES:
+            raise BadEventError(ErrorCode.INVALID_CONFIG, f"unknown modality {m!r}")
+    return SessionSettings(
+        input_format=input_format,
+        output_format=output_format,
+        instructions=cfg.instructions or (base.instructions if base else ""),
+        turn_detection=turn,
+        modalities=tuple(cfg.modalities) or (base.modalities if base else ("audio",)),
+        idle_timeout_s=cfg.idle_timeout_s or (base.idle_timeout_s if base else 0),
+    )
+
+
+def struct_to_dict(s: struct_pb2.Struct) -> dict[str, object]:
+    """A client Struct as a dict; raises ``invalid_runtime_config`` when it is too large."""
+    size = s.ByteSize()
+    if size > MAX_EXTRA_BODY_BYTES:
+        raise BadEventError(
+            ErrorCode.INVALID_RUNTIME_CONFIG,
+            f"extra_body is {size} bytes; the limit is {MAX_EXTRA_BODY_BYTES}",
+        )
+    out: dict[str, object] = json_format.MessageToDict(s)
+    return out

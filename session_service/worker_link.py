@@ -1,0 +1,309 @@
+"""A link to one worker: its channel, its description and this replica's one Run stream to it.
+
+The link's sender task coalesces every pending submission, abort and release into ONE
+``WorkerCommand`` per loop iteration (the hop is never one message per frame). Its reader hands
+each ``StepOutput`` to the router. A link that loses its stream is unhealthy at once, tells the
+router (its sessions get ``worker_unavailable`` and move on their next submission), then
+reconnects with jittered backoff; the channel's own reconnect backoff is capped the same way, so
+a worker restarted after a long outage is back within ``backoff_max_s`` or so.
+
+A watchdog task per stream polls the link's ``Liveness`` (``session_service.liveness``) a few
+times per stall timeout; when the worker has owed something and sent nothing for
+``stall_timeout_s``, the link is lost exactly as if the stream had dropped, and reconnects with
+backoff, so a worker that resumes answering comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from duplex.errors import ErrorCode, UnavailableError, from_rpc_error
+from duplex.serving import CHANNEL_OPTIONS
+from duplex.v1 import worker_pb2, worker_pb2_grpc
+from session_service.liveness import Liveness, WorkerStalledError
+from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS
+from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
+
+log = logging.getLogger(__name__)
+
+#: First wait before reconnecting to a lost worker (doubles, jittered, up to ``backoff_max_s``).
+BACKOFF_INITIAL_S = 0.1
+
+#: Default stall timeout of a link (``ServiceConfig.worker_stall_timeout_s``); 0 turns it off.
+DEFAULT_STALL_TIMEOUT_S = 3.0
+
+
+def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
+    """Worker channel options: gRPC's own reconnect backoff (1 s growing to 120 s by default)
+    would otherwise keep a restarted worker unreachable long after our backoff retries it."""
+    return [
+        *CHANNEL_OPTIONS,
+        ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+        ("grpc.min_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+        ("grpc.max_reconnect_backoff_ms", max(int(backoff_max_s * 1000), 200)),
+    ]
+
+
+@dataclass(slots=True)
+class _Pending:
+    submit: list[worker_pb2.Submission]
+    futures: list[asyncio.Future[None]]
+    abort: list[worker_pb2.Abort]
+    release: list[worker_pb2.Release]
+
+    @classmethod
+    def empty(cls) -> _Pending:
+        return cls([], [], [], [])
+
+    def __bool__(self) -> bool:
+        return bool(self.submit or self.abort or self.release)
+
+
+class WorkerLink:
+    """One worker: its channel, its description and the replica's one Run stream to it."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        owner: str,
+        plugin: DuplexModelPlugin,
+        on_step: Callable[[WorkerLink, worker_pb2.StepOutput], None],
+        on_lost: Callable[[WorkerLink], None],
+        on_health: Callable[[], None],
+        backoff_max_s: float = 5.0,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    ) -> None:
+        self.address = address
+        WORKER_STALLS.labels(worker=address)  # present at 0 from the start, for alerts
+        self.owner = owner
+        self._plugin = plugin
+        self._on_step = on_step
+        self._on_lost = on_lost
+        self._on_health = on_health
+        self._backoff_max_s = backoff_max_s
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options(backoff_max_s))
+        self._stub = worker_pb2_grpc.DuplexWorkerStub(self._channel)
+        self.description: worker_pb2.WorkerDescription | None = None
+        self._healthy = False
+        self.generation = 0
+        """Counts Run streams opened: a session attached under one generation is not attached
+        to the (possibly restarted) worker behind a later one."""
+        self._pending = _Pending.empty()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.commands_sent = 0
+        self._stall_timeout_s = stall_timeout_s
+        # A lockstep model (one that needs silence continuation) replies only as input arrives,
+        # so its RESPOND owes nothing by itself; a free-running model's RESPOND owes a step.
+        self.liveness = Liveness(respond_answers=not plugin.silence_continuation)
+        self.stalls = 0
+        """Times this link was declared stalled (lost without the stream breaking)."""
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"worker-link-{self.address}")
+
+    async def close(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._channel.close()
+
+    # ---- commands ----------------------------------------------------------------------------
+
+    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        """Queue submissions for the next command; resolves when that command is written."""
+        if not self._healthy:
+            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"worker {self.address} is unavailable")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.submit.extend(subs)
+        self._pending.futures.append(fut)
+        self._wake.set()
+        return fut
+
+    def abort(self, abort: worker_pb2.Abort) -> None:
+        if self._healthy:
+            self._pending.abort.append(abort)
+            self._wake.set()
+
+    def release(self, release: worker_pb2.Release) -> None:
+        if self._healthy:
+            self._pending.release.append(release)
+            self._wake.set()
+
+    async def attach(self, session_id: str, epoch: int, *, takeover: bool, deadline_s: float) -> int:
+        """Bind a session to this replica at ``epoch``; returns the granted epoch."""
+        try:
+            resp = await self._stub.Attach(
+                worker_pb2.AttachRequest(
+                    session_id=session_id, epoch=epoch, owner=self.owner, takeover=takeover
+                ),
+                timeout=deadline_s,
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return int(resp.epoch)
+
+    # ---- the stream ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = BACKOFF_INITIAL_S
+        while not self._stopping:
+            opened = self.generation
+            try:
+                desc = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0)
+                check_worker(self._plugin, desc)
+                self.description = desc
+                await self._serve_stream()
+            except asyncio.CancelledError:
+                raise
+            except PluginLoadError as err:
+                log.error("worker %s refused: %s", self.address, err.message)
+            except WorkerStalledError:
+                pass  # logged by the watchdog
+            except grpc.RpcError as exc:
+                log.warning("worker %s: %s", self.address, from_rpc_error(exc).message)
+            except Exception:
+                log.exception("worker %s: link failed", self.address)
+            finally:
+                self._lose()
+            if self.generation != opened:
+                backoff = BACKOFF_INITIAL_S  # the stream ran: a fresh failure starts over
+            # Jittered exponential backoff: a restarting worker is not stampeded by every replica.
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(self._backoff_max_s, backoff * 2)
+
+    async def _serve_stream(self) -> None:
+        call = self._stub.Run()
+        await call.write(worker_pb2.WorkerCommand(owner=self.owner))
+        self.generation += 1
+        self.liveness.reset()
+        self._healthy = True
+        self._on_health()
+        log.info(
+            "worker %s: Run stream open (model %s)",
+            self.address,
+            self.description.model_id if self.description else "?",
+        )
+        # Reader, sender and watchdog: the first of them to end (an error, EOF, a stall) ends
+        # the stream, so a hung worker is noticed even while the reader waits for it forever.
+        tasks = [
+            asyncio.create_task(self._read_loop(call)),
+            asyncio.create_task(self._send_loop(call)),
+        ]
+        if self._stall_timeout_s > 0:
+            tasks.append(asyncio.create_task(self._watchdog()))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.cancelled():
+                    raise ConnectionError("a Run stream task was cancelled")
+                task.result()  # re-raise the failure that ended the stream
+            raise ConnectionError("the Run stream ended")
+        finally:
+            # Unhealthy before any await: nothing may be placed on, or submitted to, a dead stream.
+            self._lose()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            call.cancel()
+
+    async def _read_loop(
+        self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
+    ) -> None:
+        heard = self.liveness.heard
+        while True:
+            step = await call.read()
+            if step is grpc.aio.EOF:
+                raise ConnectionError("worker closed the Run stream")
+            heard(step)
+            try:
+                self._on_step(self, step)
+            except Exception:
+                log.exception("worker %s: routing a step failed", self.address)
+
+    async def _watchdog(self) -> None:
+        """Declare the worker stalled when it has owed output and sent none for the timeout.
+
+        Polls two timestamps a few times per timeout (no per-frame timers). A tick that comes
+        late (this process's event loop was blocked, so the reader could not run either) is not
+        judged: the stall must be the worker's, not ours.
+        """
+        timeout = self._stall_timeout_s
+        interval = min(0.5, max(0.05, timeout / 4))
+        loop = asyncio.get_running_loop()
+        due = loop.time() + interval
+        while True:
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            now = loop.time()
+            late = now - due > interval
+            due = now + interval
+            if late:
+                continue
+            quiet = self.liveness.quiet_for()
+            if quiet >= timeout:
+                self.stalls += 1
+                WORKER_STALLS.labels(worker=self.address).inc()
+                log.warning(
+                    "worker %s: stalled: %d requests owed output and nothing came for %.1f s "
+                    "(timeout %.1f s); treating it as lost",
+                    self.address,
+                    self.liveness.owing,
+                    quiet,
+                    timeout,
+                )
+                raise WorkerStalledError(f"worker {self.address} stalled for {quiet:.1f} s")
+
+    async def _send_loop(
+        self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
+    ) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            pending, self._pending = self._pending, _Pending.empty()
+            if not pending:
+                continue
+            self.liveness.written(pending.submit, pending.abort, pending.release)
+            cmd = worker_pb2.WorkerCommand(
+                submit=pending.submit, abort=pending.abort, release=pending.release
+            )
+            WORKER_COMMAND_SIZE.observe(len(pending.submit) + len(pending.abort) + len(pending.release))
+            try:
+                await call.write(cmd)
+            except BaseException as exc:
+                for fut in pending.futures:
+                    if not fut.done():
+                        fut.set_exception(ConnectionError(f"worker stream write failed: {exc!r}"))
+                raise
+            self.commands_sent += 1
+            for fut in pending.futures:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _lose(self) -> None:
+        was = self._healthy
+        self._healthy = False
+        pending, self._pending = self._pending, _Pending.empty()
+        for fut in pending.futures:
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"worker {self.address} went away"))
+        if was:
+            log.warning("worker %s: Run stream lost", self.address)
+            self._on_lost(self)
+            self._on_health()

@@ -1,0 +1,304 @@
+"""Worker output meets the session: every epoch/turn comparison, and why output is dropped.
+
+The router (``session_service.routing``) hands each session its share of a worker step
+synchronously; ``WorkerOutput.handle`` applies it to the session without awaiting anything, so
+a cancel (which also runs without awaiting) and this never interleave. Updates are applied
+first (VAD, consumption, turn ends, text), then audio, then completions: a barge-in heard in a
+step stops that step's audio from getting out.
+
+Every comparison that decides whether worker output is still the session's is one of the
+functions below; every drop is counted in ``duplex_session_dropped_outputs_total{reason}``:
+
+- ``stale_epoch`` (here, and the outbound queue): output or news of an epoch the session has
+  left (cancel, barge-in, takeover); the rejection that tells a fenced-out owner.
+- ``stale_turn`` (here): output of an older turn than the session's, or news for a response
+  that is no longer active.
+- ``response_cancelled`` (here): audio of a turn no response is streaming (yet or any more), or
+  output that lost its response between projection and queueing.
+- ``wrong_session`` (here): audio whose fence names another session (a mislabelled step is
+  never played).
+- ``unknown_request`` (here, the router): output for a session this replica does not hold, or
+  audio without a batch fence.
+- ``stale_worker`` (the router): output from a worker the session is no longer placed on.
+- ``purged`` (the outbound queue): queued output of an epoch a cancel left, removed before the
+  client read it.
+- ``fail_closed`` (the router): payloads of a step whose sparse declaration was invalid (none of
+  them routed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+from duplex.clock import Clock
+from duplex.errors import BadEventError, ErrorCode
+from duplex.v1 import common_pb2, session_pb2, worker_pb2
+from session_service.lifecycle import SpeechStatus
+from session_service.metrics import DROPPED, LATENCY_FIRST_AUDIO
+from session_service.plugin import DuplexModelPlugin, OutputAction, SessionSettings
+
+if TYPE_CHECKING:
+    from session_service.emitter import Emitter
+    from session_service.response import ActiveResponse
+
+log = logging.getLogger(__name__)
+
+SPEECH_STARTED = worker_pb2.VadEvent.KIND_SPEECH_STARTED
+SPEECH_STOPPED = worker_pb2.VadEvent.KIND_SPEECH_STOPPED
+COMPLETED = session_pb2.RESPONSE_STATUS_COMPLETED
+FAILED = session_pb2.RESPONSE_STATUS_FAILED
+
+
+class DropReason(StrEnum):
+    """Why worker output did not reach a client (the table in the module docstring)."""
+
+    STALE_EPOCH = "stale_epoch"
+    STALE_TURN = "stale_turn"
+    RESPONSE_CANCELLED = "response_cancelled"
+    WRONG_SESSION = "wrong_session"
+    UNKNOWN_REQUEST = "unknown_request"
+    STALE_WORKER = "stale_worker"
+    PURGED = "purged"
+    FAIL_CLOSED = "fail_closed"
+
+
+# Every reason exists from the start, so rate() alerts see a zero series.
+for _reason in DropReason:
+    DROPPED[_reason]
+
+
+# ---- the rules ----------------------------------------------------------------------------------
+
+
+def output_is_stale(output_epoch: int, current_epoch: int) -> bool:
+    """Epoch-bound output (audio, text) of an epoch the session has left: never delivered."""
+    return output_epoch < current_epoch
+
+
+def audio_drop_reason(
+    fence: common_pb2.Fence | None,
+    *,
+    session_id: str,
+    epoch: int,
+    turn_id: int,
+    response: ActiveResponse | None,
+) -> DropReason | None:
+    """Whether a step's audio for this session may be projected, given the fence it was
+    stepped under (the batch entry's); None when it may."""
+    if fence is None:
+        return DropReason.UNKNOWN_REQUEST
+    if fence.epoch != epoch:
+        return DropReason.STALE_EPOCH
+    if fence.session_id != session_id:
+        return DropReason.WRONG_SESSION
+    if response is None or fence.turn_id != response.turn_id:
+        return DropReason.STALE_TURN if fence.turn_id < turn_id else DropReason.RESPONSE_CANCELLED
+    return None
+
+
+def news_is_stale(update_epoch: int, epoch: int) -> bool:
+    """News (VAD, consumption, turn ends, errors) of an epoch the session has left."""
+    return update_epoch < epoch
+
+
+def belongs_to(fence: common_pb2.Fence, response: ActiveResponse | None) -> bool:
+    """Text and rejections of the active response's turn are its own."""
+    return response is not None and fence.turn_id == response.turn_id
+
+
+def ends(fence: common_pb2.Fence, response: ActiveResponse | None) -> bool:
+    """A completion or failure ends the active response only when it carries its turn and epoch."""
+    return response is not None and fence.turn_id == response.turn_id and fence.epoch == response.epoch
+
+
+def barges_in(fence: common_pb2.Fence, response: ActiveResponse | None, *, enabled: bool) -> bool:
+    """Speech interrupts the active response only when it was heard in input appended under the
+    response's turn (the APPEND's fence says which): speech the worker finds in older, still
+    queued input (a fast client's commit) is the turn being answered, not a barge-in."""
+    return enabled and response is not None and fence.turn_id >= response.turn_id
+
+
+def still_current(
+    response: ActiveResponse, current: ActiveResponse | None, epoch: int, *, closed: bool
+) -> bool:
+    """The last-moment check before response output is queued: it must still be the active
+    response, of the current epoch, of an open session."""
+    return current is response and response.epoch == epoch and not closed
+
+
+def client_code(worker_code: str) -> str:
+    """The code a client sees for a worker's per-request error."""
+    if worker_code in (ErrorCode.NO_COMMITTED_INPUT, ErrorCode.MODEL_ERROR):
+        return worker_code
+    if worker_code == "capacity":
+        return ErrorCode.CAPACITY_EXHAUSTED.value
+    return ErrorCode.MODEL_ERROR.value
+
+
+# ---- applying one step's news ---------------------------------------------------------------------
+
+
+class Session(Protocol):
+    """What worker output may read of and do to a session (``SessionRunner`` provides it)."""
+
+    session_id: str
+    epoch: int
+    turn_id: int
+    settings: SessionSettings
+    runtime_config: dict[str, object]
+    emitter: Emitter
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def response(self) -> ActiveResponse | None: ...
+
+    def consumed(self, worker_seq: int) -> None:
+        """The worker consumed the session's APPENDs up to ``worker_seq`` (this epoch)."""
+
+    def input_rejected(self) -> None:
+        """A submission was refused: what was handed on will never be consumed."""
+
+    def cancel(self, reason: str) -> None:
+        """Advance the epoch (barge-in)."""
+
+    def turn_ended(self, committed_samples: int) -> None:
+        """The worker's turn detection committed the input."""
+
+    def finish_response(self, status: session_pb2.ResponseStatus.ValueType, reason: str) -> None: ...
+
+    def apply_runtime(self, runtime: dict[str, object]) -> None: ...
+
+    def fenced(self) -> None:
+        """The session's current epoch was refused: another replica owns it now."""
+
+
+class WorkerOutput:
+    """Applies worker steps to one session; owns what the client was told of its speech."""
+
+    def __init__(self, session: Session, plugin: DuplexModelPlugin, clock: Clock) -> None:
+        self._session = session
+        self._plugin = plugin
+        self._clock = clock
+        self._rate = plugin.worker_format.sample_rate_hz
+        self.speech = SpeechStatus.SILENT
+
+    def handle(
+        self,
+        fence: common_pb2.Fence | None,
+        payload: common_pb2.AudioPayload | None,
+        updates: Sequence[worker_pb2.RequestUpdate],
+    ) -> None:
+        """One step's news for this session: updates first, then audio, then completions."""
+        live = [u for u in updates if self._news(u)]
+        if payload is not None:
+            self._audio(fence, payload)
+        for u in live:
+            self._terminal(u)
+
+    def end_speech(self) -> None:
+        """Close an open speech span (the VAD that heard it is gone, or the turn ended), so
+        ``speech_started`` / ``speech_stopped`` stay paired."""
+        if self.speech is SpeechStatus.SPEAKING:
+            self.speech = SpeechStatus.SILENT
+            self._session.emitter.emit("speech_stopped", session_pb2.SpeechStopped(audio_ms=0))
+
+    def _news(self, u: worker_pb2.RequestUpdate) -> bool:
+        """Non-terminal news; returns whether the update is current (not fenced off)."""
+        s = self._session
+        if u.HasField("error"):
+            self._worker_error(u)
+            return False
+        if news_is_stale(u.fence.epoch, s.epoch):
+            DROPPED[DropReason.STALE_EPOCH].inc()
+            return False
+        if u.input_seq and u.fence.epoch == s.epoch:
+            s.consumed(u.input_seq)
+        for vad in u.vad:
+            if vad.kind == SPEECH_STARTED:
+                self.speech = SpeechStatus.SPEAKING
+                s.emitter.emit(
+                    "speech_started",
+                    session_pb2.SpeechStarted(audio_ms=vad.sample_offset * 1000 // self._rate),
+                )
+                if barges_in(u.fence, s.response, enabled=s.settings.turn_detection.barge_in):
+                    s.cancel("barge_in")
+            elif vad.kind == SPEECH_STOPPED and self.speech is SpeechStatus.SPEAKING:
+                self.speech = SpeechStatus.SILENT
+                s.emitter.emit(
+                    "speech_stopped",
+                    session_pb2.SpeechStopped(audio_ms=vad.sample_offset * 1000 // self._rate),
+                )
+        if u.text:
+            resp = s.response
+            if resp is not None and belongs_to(u.fence, resp):
+                for ev in self._plugin.data_plane.project_text(resp.proj, u.text):
+                    self._queue(ev, resp)
+            else:
+                DROPPED[DropReason.STALE_TURN].inc()
+        if u.turn_ended:
+            self.end_speech()
+            s.turn_ended(u.committed_samples)
+        patch = self._plugin.runtime_config_after_model_output(s.runtime_config, u)
+        if patch:
+            s.apply_runtime(dict(s.runtime_config) | patch)
+        return True
+
+    def _audio(self, fence: common_pb2.Fence | None, payload: common_pb2.AudioPayload) -> None:
+        s = self._session
+        resp = s.response
+        reason = audio_drop_reason(
+            fence, session_id=s.session_id, epoch=s.epoch, turn_id=s.turn_id, response=resp
+        )
+        if reason is not None:
+            DROPPED[reason].inc()
+            return
+        assert resp is not None  # audio_drop_reason checked it
+        sent = False
+        for ev in self._plugin.data_plane.project_audio(resp.proj, payload):
+            sent = self._queue(ev, resp) or sent
+        if sent and not resp.first_audio:
+            resp.first_audio = True
+            LATENCY_FIRST_AUDIO.observe(self._clock.now() - resp.started_at)
+
+    def _queue(self, event: session_pb2.ServerEvent, resp: ActiveResponse) -> bool:
+        s = self._session
+        if not still_current(resp, s.response, s.epoch, closed=s.closed):
+            DROPPED[DropReason.RESPONSE_CANCELLED].inc()
+            return False
+        s.emitter.emit_output(event, resp.epoch)
+        return True
+
+    def _terminal(self, u: worker_pb2.RequestUpdate) -> None:
+        s = self._session
+        if not ends(u.fence, s.response):
+            if u.response_finished:
+                DROPPED[DropReason.STALE_TURN].inc()
+            return
+        decision = self._plugin.decide_output(u)
+        if decision is not None and decision.action == OutputAction.COMPLETE:
+            s.finish_response(COMPLETED, "")
+        elif decision is not None and decision.action == OutputAction.FAIL:
+            s.finish_response(FAILED, decision.reason)
+
+    def _worker_error(self, u: worker_pb2.RequestUpdate) -> None:
+        s = self._session
+        code = u.error.code
+        if news_is_stale(u.fence.epoch, s.epoch):
+            DROPPED[DropReason.STALE_EPOCH].inc()
+            return
+        if code in (ErrorCode.NOT_OWNER, ErrorCode.STALE_EPOCH):
+            # Our current epoch was refused: another replica took the session over. Fail closed.
+            DROPPED[DropReason.STALE_EPOCH].inc()
+            s.fenced()
+            return
+        # A rejected submission (an APPEND refused for capacity, say) is never consumed: stop
+        # waiting for it rather than hold acks for ever.
+        s.input_rejected()
+        if belongs_to(u.fence, s.response):
+            s.finish_response(FAILED, code or ErrorCode.MODEL_ERROR.value)
+        s.emitter.error(BadEventError(client_code(code), u.error.message or code))

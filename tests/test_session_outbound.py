@@ -1,0 +1,76 @@
+"""The per-session outbound queue: FIFO, bounded, purged by epoch, re-checked on the way out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from duplex.v1 import session_pb2
+from session_service.outbound import Outbound, OutboundOverflow
+
+
+def _audio(epoch: int, n: int = 10) -> session_pb2.ServerEvent:
+    return session_pb2.ServerEvent(audio_delta=session_pb2.AudioDelta(epoch=epoch, pcm=b"\x00" * n))
+
+
+def _kind(ev: session_pb2.ServerEvent | None) -> str:
+    return ev.WhichOneof("event") or "" if ev is not None else "none"
+
+
+async def test_the_consumer_never_sees_audio_of_an_epoch_the_session_left() -> None:
+    epoch = 1
+    out = Outbound(lambda: epoch)
+    out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
+    out.put(_audio(1), epoch=1)
+    att = out.attach()
+    assert _kind(await out.get(att)) == "committed"
+    assert _kind(await out.get(att)) == "audio_delta"
+    out.put(_audio(1), epoch=1)
+    out.put(session_pb2.ServerEvent(closed=session_pb2.SessionClosed()))
+    # The epoch moves without a purge (a cancel purges too, but the exit re-checks regardless).
+    epoch = 2
+    assert len(out) == 2
+    assert _kind(await out.get(att)) == "closed"
+    assert len(out) == 0
+
+
+async def test_purge_drops_only_older_epoch_bound_output() -> None:
+    out = Outbound(lambda: 2)
+    out.put(_audio(1), epoch=1)
+    out.put(session_pb2.ServerEvent(input_ack=session_pb2.InputAudioAck(seq=1, epoch=1)))
+    out.put(_audio(2), epoch=2)
+    assert out.purge_before(2) == 1
+    assert [_kind(out.get_nowait()) for _ in range(3)] == ["input_ack", "audio_delta", "none"]
+
+
+async def test_a_new_attachment_ends_the_previous_consumer() -> None:
+    out = Outbound(lambda: 1)
+    first = out.attach()
+    waiting = asyncio.create_task(out.get(first))
+    await asyncio.sleep(0)
+    second = out.attach()
+    assert await asyncio.wait_for(waiting, 1) is None
+    out.put(session_pb2.ServerEvent(closed=session_pb2.SessionClosed()))
+    assert _kind(await out.get(second)) == "closed"
+
+
+async def test_put_front_goes_first_and_close_ends_after_what_is_queued() -> None:
+    out = Outbound(lambda: 1)
+    out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
+    out.put_front(session_pb2.ServerEvent(opened=session_pb2.SessionOpened()))
+    out.close()
+    att = out.attach()
+    assert [_kind(await out.get(att)) for _ in range(3)] == ["opened", "committed", "none"]
+
+
+def test_limits_by_count_and_by_bytes() -> None:
+    by_count = Outbound(lambda: 1, limit=3)
+    for _ in range(3):
+        by_count.put(_audio(1), epoch=1)
+    with pytest.raises(OutboundOverflow):
+        by_count.put(_audio(1), epoch=1)
+    by_bytes = Outbound(lambda: 1, limit_bytes=1000)
+    by_bytes.put(_audio(1, 600), epoch=1)
+    with pytest.raises(OutboundOverflow):
+        by_bytes.put(_audio(1, 600), epoch=1)
