@@ -61,6 +61,29 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
 
 
+class WorkerErrorCode(StrEnum):
+    """The codes of ``WorkerError.code`` in ``duplex.v1.worker`` (one request's failure).
+
+    Exactly the set ``proto/duplex/v1/worker.proto`` documents (a test keeps them equal);
+    ``docs/worker-protocol.md`` says when each is sent.
+    """
+
+    # The work's fence epoch is below the session's highest accepted epoch; it never runs.
+    STALE_EPOCH = "stale_epoch"
+    # The work comes from an owner other than the session's current one (e.g. after a takeover).
+    NOT_OWNER = "not_owner"
+    # The session is not attached on this worker (never attached, or released).
+    UNKNOWN_SESSION = "unknown_session"
+    # The submission is malformed, e.g. PCM that is not whole frames of the model's format.
+    BAD_SUBMISSION = "bad_submission"
+    # RESPOND arrived with no committed utterance to reply to.
+    NO_COMMITTED_INPUT = "no_committed_input"
+    # The model failed for this request; the rest of the batch goes on.
+    MODEL_ERROR = "model_error"
+    # No room for the work: the request's input queue (or the owner's output queue) is full.
+    CAPACITY = "capacity"
+
+
 class DuplexError(Exception):
     """Base of every error that carries a stable code and a gRPC status."""
 
@@ -227,6 +250,7 @@ __all__ = [
     "NotFoundError",
     "UnauthenticatedError",
     "UnavailableError",
+    "WorkerErrorCode",
     "abort",
     "from_rpc_error",
     "to_rpc_status",

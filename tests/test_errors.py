@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +18,7 @@ from duplex.errors import (
     FencedError,
     UnauthenticatedError,
     UnavailableError,
+    WorkerErrorCode,
 )
 from duplex.serving import SERVER_OPTIONS
 from duplex.v1 import worker_pb2, worker_pb2_grpc
@@ -132,3 +135,15 @@ def test_a_bare_rpc_error_becomes_an_internal_error() -> None:
     assert type(rebuilt) is DuplexError
     assert rebuilt.code == ErrorCode.INTERNAL
     assert rebuilt.message == "no code, no details, no trailers"
+
+
+def test_worker_error_codes_are_the_ones_worker_proto_documents() -> None:
+    proto = (Path(__file__).resolve().parent.parent / "proto/duplex/v1/worker.proto").read_text()
+    message = re.search(r"^message WorkerError \{\n(?P<body>.*?)^\}", proto, re.M | re.S)
+    assert message is not None, "worker.proto has no WorkerError message"
+    # The comment lines right above `string code = 1;` list the codes.
+    comment = re.search(r"((?:[ \t]*//.*\n)+)[ \t]*string code = 1;", message["body"])
+    assert comment is not None, "WorkerError.code lost its comment"
+    documented = re.findall(r'"([a-z_]+)"', comment[1])
+    assert len(documented) >= 7, documented
+    assert sorted(c.value for c in WorkerErrorCode) == sorted(documented)
