@@ -74,13 +74,13 @@ class WorkerErrorCode(StrEnum):
     NOT_OWNER = "not_owner"
     # The session is not attached on this worker (never attached, or released).
     UNKNOWN_SESSION = "unknown_session"
-    # The submission is malformed, e.g. PCM that is not whole frames of the model's format.
+    # The submission is malformed: PCM that is not whole frames, or bad model options (params).
     BAD_SUBMISSION = "bad_submission"
     # RESPOND arrived with no committed utterance to reply to.
     NO_COMMITTED_INPUT = "no_committed_input"
     # The model failed for this request; the rest of the batch goes on.
     MODEL_ERROR = "model_error"
-    # No room for the work: the request's input queue (or the owner's output queue) is full.
+    # No room for the work: the request's input queue on the worker is full.
     CAPACITY = "capacity"
 
 
