@@ -42,7 +42,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import TYPE_CHECKING, Any, Final, Self, TypeAlias
 
 import grpc
 import numpy as np
@@ -62,10 +62,16 @@ from duplex.errors import DuplexError, ErrorCode, UnavailableError, from_rpc_err
 from duplex.serving import CHANNEL_OPTIONS
 from duplex.v1 import session_pb2, session_pb2_grpc
 
+if TYPE_CHECKING:  # exists only in the generated .pyi: the stub's type on an aio channel
+    from duplex.v1.session_pb2_grpc import DuplexSessionAsyncStub
+
 log = logging.getLogger("duplex.client")
 
 ServerEvent = session_pb2.ServerEvent
 ClientEvent = session_pb2.ClientEvent
+
+#: One ``Converse`` call on an aio channel: client events in, server events out.
+ConverseCall: TypeAlias = grpc.aio.StreamStreamCall[ClientEvent, ServerEvent]
 
 #: Client-side error codes (the server's codes are ``duplex.errors.ErrorCode``).
 CONNECT_FAILED: Final = "connect_failed"
@@ -182,7 +188,7 @@ class DuplexClient:
         self.connect_timeout_s = connect_timeout_s
         self._options = [*CHANNEL_OPTIONS, *options]
         self._channel: grpc.aio.Channel | None = None
-        self._stub: Any = None
+        self._stub: DuplexSessionAsyncStub | None = None
         self._event_ids = itertools.count(1)
 
     async def __aenter__(self) -> Self:
@@ -193,9 +199,9 @@ class DuplexClient:
     ) -> None:
         await self.close()
 
-    def _ensure_channel(self) -> Any:
+    def _ensure_channel(self) -> DuplexSessionAsyncStub:
         # Lazily, so a client can be built outside a running event loop.
-        if self._channel is None:
+        if self._channel is None or self._stub is None:
             if self.credentials is not None:
                 self._channel = grpc.aio.secure_channel(self.target, self.credentials, options=self._options)
             else:
@@ -285,7 +291,7 @@ class DuplexClient:
 
     async def _start(
         self, first: session_pb2.ClientEvent, timeout_s: float, connect_timeout_s: float | None = None
-    ) -> tuple[Any, session_pb2.ServerEvent]:
+    ) -> tuple[ConverseCall, session_pb2.ServerEvent]:
         """Start a Converse call with ``first`` (open or resume) and read its ``opened``."""
         stub = self._ensure_channel()
         await self.connect(min(timeout_s, connect_timeout_s or self.connect_timeout_s))
@@ -293,7 +299,7 @@ class DuplexClient:
         try:
             async with asyncio.timeout(timeout_s):
                 await call.write(first)
-                ev = await call.read()
+                ev = await _read_event(call)
         except TimeoutError:
             call.cancel()
             raise DuplexClientError(TIMEOUT, f"no answer to open/resume within {timeout_s:g}s") from None
@@ -302,7 +308,7 @@ class DuplexClient:
         except asyncio.InvalidStateError:
             # write() after the server already ended the call: the status says why.
             raise await _call_failure(call) from None
-        if ev is grpc.aio.EOF:
+        if ev is None:
             raise await _call_failure(call)
         kind = event_kind(ev)
         if kind == "error":
@@ -314,7 +320,18 @@ class DuplexClient:
         return call, ev
 
 
-async def _call_failure(call: Any) -> DuplexError:
+async def _read_event(call: ConverseCall) -> session_pb2.ServerEvent | None:
+    """The call's next server event, or None once the server has ended the stream."""
+    ev = await call.read()
+    if ev is grpc.aio.EOF:
+        return None
+    # The stubs type read() as ``object | ServerEvent`` (EOF is a plain object); the call's
+    # deserializer only ever makes ServerEvents.
+    assert isinstance(ev, session_pb2.ServerEvent), type(ev)
+    return ev
+
+
+async def _call_failure(call: grpc.aio.Call) -> DuplexError:
     """The typed error for a call that has ended (with or without an error status)."""
     code = await call.code()
     if code == grpc.StatusCode.OK:
@@ -339,7 +356,7 @@ class Session:
     def __init__(
         self,
         client: DuplexClient,
-        call: Any,
+        call: ConverseCall,
         opened: session_pb2.ServerEvent,
         *,
         raise_on_error: bool = False,
@@ -442,7 +459,7 @@ class Session:
         try:
             while True:
                 try:
-                    ev = await self._call.read()
+                    ev = await _read_event(self._call)
                 except grpc.RpcError as exc:
                     if self._should_resume():
                         await self.reconnect()
@@ -450,7 +467,7 @@ class Session:
                     if not self._closing or exc.code() != grpc.StatusCode.CANCELLED:
                         self._failure = from_rpc_error(exc)
                     break
-                if ev is grpc.aio.EOF:
+                if ev is None:
                     if self._should_resume():
                         await self.reconnect()
                         continue
@@ -786,6 +803,7 @@ __all__ = [
     "SESSION_CLOSED",
     "TIMEOUT",
     "ConnectError",
+    "ConverseCall",
     "DuplexClient",
     "DuplexClientError",
     "ProtocolError",

@@ -9,7 +9,7 @@ whose ``reason`` is the code (fatal).
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import NoReturn
+from typing import Final, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
@@ -17,6 +17,13 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "duplex.v1"
+
+# The trailer in which grpc-status carries the serialized google.rpc.Status of a failed call.
+_STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
+
+# Any servicer's request and response types: abort() ends calls of every service here.
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
 
 
 class ErrorCode(StrEnum):
@@ -52,6 +59,29 @@ class ErrorCode(StrEnum):
     INPUT_ABANDONED = "input_abandoned"
     MODEL_ERROR = "model_error"
     INTERNAL = "internal"
+
+
+class WorkerErrorCode(StrEnum):
+    """The codes of ``WorkerError.code`` in ``duplex.v1.worker`` (one request's failure).
+
+    Exactly the set ``proto/duplex/v1/worker.proto`` documents (a test keeps them equal);
+    ``docs/worker-protocol.md`` says when each is sent.
+    """
+
+    # The work's fence epoch is below the session's highest accepted epoch; it never runs.
+    STALE_EPOCH = "stale_epoch"
+    # The work comes from an owner other than the session's current one (e.g. after a takeover).
+    NOT_OWNER = "not_owner"
+    # The session is not attached on this worker (never attached, or released).
+    UNKNOWN_SESSION = "unknown_session"
+    # The submission is malformed: PCM that is not whole frames, or bad model options (params).
+    BAD_SUBMISSION = "bad_submission"
+    # RESPOND arrived with no committed utterance to reply to.
+    NO_COMMITTED_INPUT = "no_committed_input"
+    # The model failed for this request; the rest of the batch goes on.
+    MODEL_ERROR = "model_error"
+    # No room for the work: the request's input queue on the worker is full.
+    CAPACITY = "capacity"
 
 
 class DuplexError(Exception):
@@ -146,7 +176,7 @@ def to_rpc_status(err: DuplexError) -> grpc.Status:
     return rpc_status.to_status(status)
 
 
-async def abort(context: grpc.aio.ServicerContext[object, object], err: DuplexError) -> NoReturn:
+async def abort(context: grpc.aio.ServicerContext[_Request, _Response], err: DuplexError) -> NoReturn:
     """End an RPC with the status that belongs to ``err`` (the single mapping site for servers)."""
     await context.abort_with_status(to_rpc_status(err))
     raise AssertionError("abort_with_status returned")  # pragma: no cover - it always raises
@@ -157,11 +187,12 @@ def from_rpc_error(exc: grpc.RpcError) -> DuplexError:
     code_attr = getattr(exc, "code", None)
     status_code: grpc.StatusCode = code_attr() if callable(code_attr) else grpc.StatusCode.UNKNOWN
     details_attr = getattr(exc, "details", None)
-    message = (details_attr() if callable(details_attr) else None) or str(exc)
+    details: str | None = details_attr() if callable(details_attr) else None
+    message = details or str(exc)
     code = _default_code(status_code)
     retryable: bool | None = None
     try:
-        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+        status = _rich_status(exc, status_code, details)
     except Exception:  # a malformed trailer must not hide the original failure
         status = None
     if status is not None:
@@ -175,6 +206,25 @@ def from_rpc_error(exc: grpc.RpcError) -> DuplexError:
     err = cls(code, message, retryable=retryable)
     err.status = status_code
     return err
+
+
+def _rich_status(
+    exc: grpc.RpcError, status_code: grpc.StatusCode, details: str | None
+) -> status_pb2.Status | None:
+    """The ``google.rpc.Status`` the server attached to a failed call, if any.
+
+    What ``grpc_status.rpc_status.from_call`` reads, for sync and aio errors alike (it is
+    typed for ``grpc.Call``, which an ``aio.AioRpcError`` is not). A status whose code or
+    message disagrees with the call's code and details is not this call's: None.
+    """
+    trailing_attr = getattr(exc, "trailing_metadata", None)  # absent on a bare grpc.RpcError
+    for key, value in (trailing_attr() if callable(trailing_attr) else None) or ():
+        if key == _STATUS_DETAILS_KEY and isinstance(value, bytes):
+            status = status_pb2.Status.FromString(value)
+            if status.code != status_code.value[0] or status.message != details:
+                return None
+            return status
+    return None
 
 
 def _default_code(status_code: grpc.StatusCode) -> str:
@@ -200,6 +250,7 @@ __all__ = [
     "NotFoundError",
     "UnauthenticatedError",
     "UnavailableError",
+    "WorkerErrorCode",
     "abort",
     "from_rpc_error",
     "to_rpc_status",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Final
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -64,6 +65,25 @@ class Health:
     async def shutdown(self) -> None:
         self.serving = False
         await self._servicer.enter_graceful_shutdown()
+
+
+#: The standard health check's method path (what a generated ``HealthStub.Check`` calls).
+HEALTH_CHECK_METHOD: Final = "/grpc.health.v1.Health/Check"
+
+
+def health_check(
+    channel: grpc.Channel,
+) -> grpc.UnaryUnaryMultiCallable[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]:
+    """``grpc.health.v1.Health/Check`` on a (sync) channel, typed.
+
+    The same call as ``health_pb2_grpc.HealthStub(channel).Check``; built here because the
+    stubs (types-grpcio-health-checking) declare ``HealthStub`` without its methods.
+    """
+    return channel.unary_unary(
+        HEALTH_CHECK_METHOD,
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
 
 
 def add_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:

@@ -23,13 +23,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, Any, Self
+from typing import IO, Self
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from duplex.serving import health_check
 
 DEFAULT_PLUGIN = "session_service.plugins.parrot:ParrotPlugin"
 DEFAULT_SESSION_PORT = 50051
@@ -40,7 +43,7 @@ class StackError(RuntimeError):
     """The stack could not start, or a child died."""
 
 
-def _load_prctl() -> Any:
+def _load_prctl() -> Callable[..., int] | None:
     # Resolved in the parent: the child between fork and exec should do as little as possible.
     if not sys.platform.startswith("linux"):
         return None
@@ -216,13 +219,13 @@ class LocalStack:
         deadline = time.monotonic() + max(timeout_s, 1.0)
         last = "no answer"
         with grpc.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
+            check = health_check(channel)
             while time.monotonic() < deadline:
                 dead = self.dead_child()
                 if dead is not None:
                     raise StackError(f"{dead.name} (pid {dead.pid}) exited with code {dead.proc.returncode}")
                 try:
-                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    resp = check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                     last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

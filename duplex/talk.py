@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"duplex talk: {exc}", file=sys.stderr)
         return EXIT_USAGE
     out_path: Path = args.out or args.input.with_suffix(".reply.wav")
-    credentials = None
+    credentials: grpc.ChannelCredentials | None = None
     if args.tls:
         credentials = grpc.ssl_channel_credentials(args.ca.read_bytes() if args.ca else None)
     print(
@@ -434,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-async def _run(args: argparse.Namespace, audio: InputAudio, out_path: Path, credentials: object) -> int:
+async def _run(
+    args: argparse.Namespace, audio: InputAudio, out_path: Path, credentials: grpc.ChannelCredentials | None
+) -> int:
     try:
         client = DuplexClient(
             args.target, credentials=credentials, token=args.token, connect_timeout_s=args.connect_timeout
