@@ -46,8 +46,9 @@ import torch
 
 from benchmarks._common import FRAME, StepCounter, start_engine
 from duplex.client import DuplexClient, Session, event_kind, turn_detection
+from duplex.fence import Fence
 from duplex.stack import LocalStack
-from worker_service.engine import APPEND, COMMIT, RESPOND, Engine, Enqueue, FenceToken, QueueCounter, Work
+from worker_service.engine import APPEND, COMMIT, RESPOND, Engine, Enqueue, QueueCounter, Work
 from worker_service.server import resolve_device
 
 FRAME_BYTES = FRAME * 2  # s16le mono at 16 kHz: the worker format of both models
@@ -127,7 +128,7 @@ class _Feeder:
         # Silent input: parrot's VAD hears no speech, so each commit is exactly one cycle's frames.
         # One shared array: APPEND frames are only read.
         self.frames = np.zeros((cycle, FRAME), dtype=np.float32)
-        self.requests = [(FenceToken(f"s{i}", 1, 1), f"r{i}", QueueCounter()) for i in range(batch)]
+        self.requests = [(Fence(f"s{i}", 1, 1), f"r{i}", QueueCounter()) for i in range(batch)]
         self.cycles = 0
 
     def top_up(self, steps: int) -> None:

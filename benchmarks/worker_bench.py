@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from benchmarks._common import FRAME, StepCounter, start_engine
-from worker_service.engine import APPEND, COMMIT, RESPOND, Engine, Enqueue, FenceToken, QueueCounter, Work
+from duplex.fence import Fence
+from worker_service.engine import APPEND, COMMIT, RESPOND, Engine, Enqueue, QueueCounter, Work
 from worker_service.server import resolve_device
 
 
@@ -30,7 +31,7 @@ def bench(
     n_in = 2000  # frames of input per request: more than a run consumes
     cmds: list[Any] = []
     for i in range(batch):
-        fence = FenceToken(f"s{i}", 1, 1)
+        fence = Fence(f"s{i}", 1, 1)
         counter = QueueCounter()
         if i % 2 == 0:
             # A reply to 1000 frames of committed noise, then more input alongside it.

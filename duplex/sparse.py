@@ -6,10 +6,11 @@ which (the typed ``MultimodalOutputs.sparse_audio`` / ``req_id`` on the wire, or
 that does not line up FAILS CLOSED: the step routes no audio at all, because falling back to
 dense routing would hand one caller's audio to another.
 
-This module holds what the worker's legacy adapter and the session service's router have in
-common: the bounded causes and carrier labels, the error type, the Prometheus counters, and
-flood-proof logging (an error once per offending shape; the routing consequence at most once per
-interval, with a count of what was suppressed).
+This module holds what the worker (its legacy adapter and its engine) and the session service's
+router have in common: the one check of a typed declaration (``typed_audio_payloads``), the
+bounded causes and carrier labels, the error type, the Prometheus counters, and flood-proof
+logging (an error once per offending shape; the routing consequence at most once per interval,
+with a count of what was suppressed).
 
 Carrier classification here looks at ``type(value)`` ONLY. A marker may be a device tensor or an
 arbitrary object; reading it element-wise (``bool()``, ``len()``, iteration, ``==``, ``.item()``)
@@ -23,11 +24,13 @@ import sys
 import threading
 import time
 from collections import Counter as _Tally
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Final
 
 from prometheus_client import Counter
+
+from duplex.v1 import common_pb2, worker_pb2
 
 __all__ = [
     "CARRIER_LABELS",
@@ -44,6 +47,7 @@ __all__ = [
     "prefixed_carrier",
     "record_fail_closed",
     "reset_sparse_log_state",
+    "typed_audio_payloads",
 ]
 
 logger = logging.getLogger(__name__)
@@ -341,3 +345,51 @@ def reset_sparse_log_state() -> None:
     """Reset the once-per-shape memory and the default reporter (for tests)."""
     _ONCE.reset()
     FAIL_CLOSED_REPORTER.reset()
+
+
+def typed_audio_payloads(
+    outputs: worker_pb2.MultimodalOutputs, batch_ids: Sequence[str]
+) -> dict[str, common_pb2.AudioPayload]:
+    """The one check of a typed AUDIO declaration: each payload by the request it belongs to.
+
+    Sparse (``sparse_audio``): payloads align to ``req_id``; an id outside ``batch_ids`` (a
+    request already gone) is dropped alone and counted, since each payload names its own
+    request. Dense: payloads align to ``batch_ids``. Raises ``InvalidSparseDeclaration`` when
+    the declaration does not line up (sparse lengths differ, an id repeats, a dense count is not
+    the batch size, or the batch names a request twice): the caller then fails the step closed.
+
+    The worker's engine calls it before slicing a step per owner, the session service's router
+    on every step it receives. Set and dict work only; PCM is never copied.
+    """
+    batch = frozenset(batch_ids)
+    if len(batch) != len(batch_ids):
+        raise InvalidSparseDeclaration(
+            SparseCause.DUPLICATE_BATCH_IDS, "typed", "the step's batch names a request more than once"
+        )
+    audio = outputs.audio
+    if not outputs.sparse_audio:
+        if len(audio) != len(batch_ids):
+            raise InvalidSparseDeclaration(
+                SparseCause.DENSE_COUNT_MISMATCH,
+                "typed",
+                f"dense step has {len(audio)} payloads for a batch of {len(batch_ids)}",
+            )
+        return dict(zip(batch_ids, audio, strict=True))
+    req_ids = outputs.req_id
+    if len(req_ids) != len(audio):
+        raise InvalidSparseDeclaration(
+            SparseCause.LENGTH_MISMATCH,
+            "typed",
+            f"sparse step has {len(audio)} payloads for {len(req_ids)} request ids",
+        )
+    payloads = {rid: payload for rid, payload in zip(req_ids, audio, strict=True) if rid in batch}
+    if len(payloads) != len(req_ids):
+        # Checked only after the cheap pass above, on the rare step that needs it.
+        if len(set(req_ids)) != len(req_ids):
+            raise InvalidSparseDeclaration(
+                SparseCause.DUPLICATE_REQ_IDS,
+                "typed",
+                "sparse request-id list names a request more than once",
+            )
+        UNKNOWN_REQUEST_TOTAL.inc(len(req_ids) - len(payloads))
+    return payloads

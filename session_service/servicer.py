@@ -93,7 +93,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         err: DuplexError,
     ) -> NoReturn:
         ERRORS_BY_CODE[err.code].inc()
-        await abort(context, err)  # type: ignore[arg-type]
+        await abort(context, err)
 
     async def _pump(
         self,

@@ -1,12 +1,11 @@
 """Routes one worker step's audio payloads to the requests they belong to.
 
 The typed ``MultimodalOutputs`` can still be out of contract (a worker bug, a skewed version):
-sparse with ``req_id`` and ``audio`` of different lengths, duplicate ids, dense with a payload
-count other than the batch size, or a batch that names a request twice. Any of these on an AUDIO
-step FAILS CLOSED: the step routes no payload at all, since guessing would give one caller's
-audio to another. A sparse payload naming a request outside the batch (one already gone) is
-dropped and counted; the others still route, as each names its own request. Non-audio steps
-never consult the sparse declaration.
+``duplex.sparse.typed_audio_payloads`` is the one check of it, shared with the worker's engine.
+A declaration that does not line up on an AUDIO step FAILS CLOSED: the step routes no payload
+at all, since guessing would give one caller's audio to another. A sparse payload naming a
+request outside the batch (one already gone) is dropped and counted; the others still route, as
+each names its own request. Non-audio steps never consult the sparse declaration.
 
 This runs once per step per owner, so it does dict and set work only and never copies PCM.
 """
@@ -19,11 +18,11 @@ from types import MappingProxyType
 from typing import Final
 
 from duplex.sparse import (
-    UNKNOWN_REQUEST_TOTAL,
     FailClosedReporter,
     InvalidSparseDeclaration,
     SparseCause,
     record_fail_closed,
+    typed_audio_payloads,
 )
 from duplex.v1 import common_pb2, worker_pb2
 
@@ -63,41 +62,6 @@ def route_step(step: worker_pb2.StepOutput, *, reporter: FailClosedReporter | No
 
 
 def _route_audio(outputs: worker_pb2.MultimodalOutputs, batch_ids: tuple[str, ...]) -> RoutedStep:
-    batch = frozenset(batch_ids)
-    if len(batch) != len(batch_ids):
-        raise InvalidSparseDeclaration(
-            SparseCause.DUPLICATE_BATCH_IDS, "typed", "the step's batch names a request more than once"
-        )
-    audio = outputs.audio
-    if not outputs.sparse_audio:
-        if len(audio) != len(batch_ids):
-            raise InvalidSparseDeclaration(
-                SparseCause.DENSE_COUNT_MISMATCH,
-                "typed",
-                f"dense step has {len(audio)} payloads for a batch of {len(batch_ids)}",
-            )
-        return RoutedStep(
-            dict(zip(batch_ids, audio, strict=True)), batch_ids, sparse=False, failed_closed=None
-        )
-
-    req_ids = outputs.req_id
-    if len(req_ids) != len(audio):
-        raise InvalidSparseDeclaration(
-            SparseCause.LENGTH_MISMATCH,
-            "typed",
-            f"sparse step has {len(audio)} payloads for {len(req_ids)} request ids",
-        )
-    # Each payload names its own request, so a payload for a request that is gone is dropped
-    # alone; the rest still route.
-    payloads = {rid: payload for rid, payload in zip(req_ids, audio, strict=True) if rid in batch}
-    if len(payloads) != len(req_ids):
-        # Checked only after the cheap pass above, on the rare step that needs it.
-        if len(set(req_ids)) != len(req_ids):
-            raise InvalidSparseDeclaration(
-                SparseCause.DUPLICATE_REQ_IDS,
-                "typed",
-                "sparse request-id list names a request more than once",
-            )
-        UNKNOWN_REQUEST_TOTAL.inc(len(req_ids) - len(payloads))
+    payloads = typed_audio_payloads(outputs, batch_ids)
     downstream = tuple(rid for rid in batch_ids if rid in payloads) if payloads else ()
-    return RoutedStep(payloads, downstream, sparse=True, failed_closed=None)
+    return RoutedStep(payloads, downstream, sparse=outputs.sparse_audio, failed_closed=None)

@@ -230,7 +230,7 @@ class WorkerLink:
         heard = self.liveness.heard
         while True:
             step = await call.read()
-            if step is grpc.aio.EOF:
+            if not isinstance(step, worker_pb2.StepOutput):  # grpc.aio.EOF
                 raise ConnectionError("worker closed the Run stream")
             heard(step)
             try:

@@ -34,7 +34,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from duplex.clock import Clock
-from duplex.errors import BadEventError, ErrorCode
+from duplex.errors import BadEventError, ErrorCode, WorkerErrorCode
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.lifecycle import SpeechStatus
 from session_service.metrics import DROPPED, LATENCY_FIRST_AUDIO
@@ -130,10 +130,12 @@ def still_current(
 
 
 def client_code(worker_code: str) -> str:
-    """The code a client sees for a worker's per-request error."""
-    if worker_code in (ErrorCode.NO_COMMITTED_INPUT, ErrorCode.MODEL_ERROR):
+    """The code a client sees for a worker's per-request error (``WorkerErrorCode``): the ones a
+    client can act on pass through, a full input queue is ``capacity_exhausted``, and anything
+    else is the model's failure as far as the client is concerned."""
+    if worker_code in (WorkerErrorCode.NO_COMMITTED_INPUT, WorkerErrorCode.MODEL_ERROR):
         return worker_code
-    if worker_code == "capacity":
+    if worker_code == WorkerErrorCode.CAPACITY:
         return ErrorCode.CAPACITY_EXHAUSTED.value
     return ErrorCode.MODEL_ERROR.value
 
@@ -291,7 +293,7 @@ class WorkerOutput:
         if news_is_stale(u.fence.epoch, s.epoch):
             DROPPED[DropReason.STALE_EPOCH].inc()
             return
-        if code in (ErrorCode.NOT_OWNER, ErrorCode.STALE_EPOCH):
+        if code in (WorkerErrorCode.NOT_OWNER, WorkerErrorCode.STALE_EPOCH):
             # Our current epoch was refused: another replica took the session over. Fail closed.
             DROPPED[DropReason.STALE_EPOCH].inc()
             s.fenced()

@@ -14,9 +14,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duplex.audio import PCM16K_MONO
+from duplex.fence import Fence
 from duplex.sparse import FAIL_CLOSED_TOTAL
 from tests.worker_helpers import APPEND, COMMIT, FRAME, RESPOND, RunClient, error_codes, pcm, sub, worker
-from worker_service.engine import Engine, Enqueue, FenceToken, OwnerStep, QueueCounter, Work
+from worker_service.engine import Engine, Enqueue, OwnerStep, QueueCounter, Work
 from worker_service.model import RequestNews, StepBatch, StepModel, StepResult
 from worker_service.models.synthetic import SyntheticModel
 
@@ -98,7 +99,7 @@ def test_round_robin_beyond_max_batch() -> None:
     cmds = []
     for i in range(3):
         work = Work(
-            APPEND, FenceToken(f"s{i}", 1, 0), "o", f"r{i}", seq=1, frames=np.zeros((10, FRAME), np.float32)
+            APPEND, Fence(f"s{i}", 1, 0), "o", f"r{i}", seq=1, frames=np.zeros((10, FRAME), np.float32)
         )
         cmds.append(Enqueue(work, QueueCounter()))
     engine.submit(cmds)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections import deque
 
-from duplex.errors import CapacityError, DuplexError, ErrorCode, FencedError
+from duplex.errors import CapacityError, DuplexError, ErrorCode, FencedError, WorkerErrorCode
 from worker_service.engine import OwnerStep, Update
 from worker_service.metrics import OWNER_CUTOFFS, OWNER_STREAMS, QUEUE_DEPTH
 
@@ -110,7 +110,7 @@ class OutputHub:
             if not channel.push(item):
                 logger.warning("owner %s fell %d steps behind: ending its stream", owner, self._maxsize)
                 OWNER_CUTOFFS.inc()
-                channel.close(CapacityError("capacity", "the owner's output queue is full"))
+                channel.close(CapacityError(WorkerErrorCode.CAPACITY, "the owner's output queue is full"))
                 self.discard(channel)
         QUEUE_DEPTH.labels(queue="output").set(sum(len(c) for c in self._channels.values()))
 

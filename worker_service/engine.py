@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from duplex.errors import DuplexError, ErrorCode, InternalError
-from duplex.sparse import UNKNOWN_REQUEST_TOTAL, InvalidSparseDeclaration, SparseCause, record_fail_closed
+from duplex.fence import Fence
+from duplex.sparse import InvalidSparseDeclaration, record_fail_closed, typed_audio_payloads
 from duplex.v1 import common_pb2, worker_pb2
 from worker_service.metrics import ACTIVE_REQUESTS, BATCH_SIZE, FENCED, QUEUE_DEPTH, STEP_DURATION
 from worker_service.model import AUDIO, FloatArray, RequestNews, StepBatch, StepModel
@@ -39,15 +40,6 @@ APPEND = worker_pb2.SUBMISSION_KIND_APPEND
 COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
 RESPOND = worker_pb2.SUBMISSION_KIND_RESPOND
 CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
-
-
-@dataclass(frozen=True, slots=True)
-class FenceToken:
-    """A domain copy of ``duplex.v1.Fence``."""
-
-    session_id: str
-    epoch: int
-    turn_id: int
 
 
 class QueueCounter:
@@ -72,8 +64,8 @@ class QueueCounter:
 class Work:
     """One submission, queued for its request."""
 
-    kind: int
-    fence: FenceToken
+    kind: worker_pb2.SubmissionKind.ValueType
+    fence: Fence
     owner: str
     request_id: str
     seq: int = 0
@@ -117,8 +109,8 @@ class Update:
     """Per-request news for one owner (``RequestUpdate`` in domain form)."""
 
     request_id: str
-    fence: FenceToken
-    vad: list[tuple[int, int]] = field(default_factory=list)
+    fence: Fence
+    vad: list[tuple[worker_pb2.VadEvent.Kind.ValueType, int]] = field(default_factory=list)
     text: str = ""
     input_seq: int = 0
     turn_ended: bool = False
@@ -133,8 +125,8 @@ class OwnerStep:
     """One step as one owner sees it (``StepOutput`` in domain form); ``step`` 0 = news only."""
 
     step: int
-    batch: list[tuple[str, FenceToken]] = field(default_factory=list)
-    output_type: int = worker_pb2.OUTPUT_TYPE_UNSPECIFIED
+    batch: list[tuple[str, Fence]] = field(default_factory=list)
+    output_type: worker_pb2.OutputType.ValueType = worker_pb2.OUTPUT_TYPE_UNSPECIFIED
     sparse: bool = True
     audio_ids: list[str] = field(default_factory=list)
     """Sparse: the owner's request ids, aligned to ``audio``."""
@@ -163,8 +155,8 @@ class _Request:
     counter: QueueCounter
     queue: deque[Work] = field(default_factory=deque)
     epoch: int = 0
-    input_fence: FenceToken | None = None
-    reply_fence: FenceToken | None = None
+    input_fence: Fence | None = None
+    reply_fence: Fence | None = None
     seq_done: int = 0
     seq_reported: int = 0
 
@@ -421,7 +413,7 @@ class Engine:
     def _step(self, model: StepModel[Any], news: dict[str, list[Update]]) -> list[tuple[str, OwnerStep]]:
         t0 = time.perf_counter()
         batch: list[_Request] = []
-        fences: list[FenceToken] = []
+        fences: list[Fence] = []
         rows: list[FloatArray | None] = []
         for req in self._select():
             frame = self._prepare(model, req, news)
@@ -479,7 +471,7 @@ class Engine:
         self,
         model: StepModel[Any],
         batch: list[_Request],
-        fences: list[FenceToken],
+        fences: list[Fence],
         step_news: list[RequestNews | None],
         per_owner: dict[str, OwnerStep],
     ) -> None:
@@ -513,50 +505,27 @@ class Engine:
         """Slice the step's payloads per owner (sparse stays sparse, dense keeps positions).
 
         A typed declaration that does not line up fails closed here like a legacy one does in
-        the adapter: the step routes no payload at all.
+        the adapter (``duplex.sparse.typed_audio_payloads`` is the check the session service's
+        router runs too): the step routes no payload at all.
         """
         if outputs.output_type != AUDIO:
             return
         try:
-            if outputs.sparse_audio:
-                self._route_sparse(outputs, batch, per_owner)
-            else:
-                self._route_dense(outputs, batch, per_owner)
+            payloads = typed_audio_payloads(outputs, [r.session_id for r in batch])
         except InvalidSparseDeclaration as err:
             record_fail_closed(err, site="worker_engine")
             for out in per_owner.values():
                 out.sparse, out.audio_ids, out.audio = True, [], []
-
-    def _route_sparse(
-        self, outputs: worker_pb2.MultimodalOutputs, batch: list[_Request], per_owner: dict[str, OwnerStep]
-    ) -> None:
-        ids = list(outputs.req_id)
-        if len(ids) != len(outputs.audio):
-            raise InvalidSparseDeclaration(
-                SparseCause.LENGTH_MISMATCH, "typed", f"{len(outputs.audio)} payloads for {len(ids)} ids"
-            )
-        if len(set(ids)) != len(ids):
-            raise InvalidSparseDeclaration(SparseCause.DUPLICATE_REQ_IDS, "typed", "duplicate request ids")
-        in_batch = {r.session_id: r for r in batch}
-        for sid, payload in zip(ids, outputs.audio, strict=True):
-            req = in_batch.get(sid)
-            if req is None:
-                UNKNOWN_REQUEST_TOTAL.inc()
-                continue
-            out = per_owner[req.owner]
-            out.audio_ids.append(req.request_id)
-            out.audio.append(payload)
-
-    def _route_dense(
-        self, outputs: worker_pb2.MultimodalOutputs, batch: list[_Request], per_owner: dict[str, OwnerStep]
-    ) -> None:
-        if len(outputs.audio) != len(batch):
-            raise InvalidSparseDeclaration(
-                SparseCause.DENSE_COUNT_MISMATCH,
-                "typed",
-                f"{len(outputs.audio)} payloads, batch {len(batch)}",
-            )
-        for out in per_owner.values():
-            out.sparse = False
-        for req, payload in zip(batch, outputs.audio, strict=True):
-            per_owner[req.owner].audio.append(payload)
+            return
+        if not outputs.sparse_audio:
+            for out in per_owner.values():
+                out.sparse = False
+            for req in batch:
+                per_owner[req.owner].audio.append(payloads[req.session_id])
+            return
+        for req in batch:
+            payload = payloads.get(req.session_id)
+            if payload is not None:
+                out = per_owner[req.owner]
+                out.audio_ids.append(req.request_id)
+                out.audio.append(payload)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from duplex.errors import CapacityError, ErrorCode, FencedError, NotFoundError
+from duplex.errors import CapacityError, ErrorCode, FencedError, NotFoundError, WorkerErrorCode
 from worker_service.metrics import FENCED
 
 #: Released sessions whose fence (epoch, owner) is remembered so a stale owner stays fenced.
@@ -60,9 +60,11 @@ class FenceTable:
         if takeover:
             granted = max(epoch, cur.epoch + 1)
         elif epoch < cur.epoch:
-            raise _fenced(ErrorCode.STALE_EPOCH, f"epoch {epoch} is below the session's epoch {cur.epoch}")
+            raise _fenced(
+                WorkerErrorCode.STALE_EPOCH, f"epoch {epoch} is below the session's epoch {cur.epoch}"
+            )
         elif epoch == cur.epoch and owner != cur.owner:
-            raise _fenced(ErrorCode.NOT_OWNER, "the session is attached to another owner at this epoch")
+            raise _fenced(WorkerErrorCode.NOT_OWNER, "the session is attached to another owner at this epoch")
         else:
             granted = epoch
         bumped = granted > cur.epoch
@@ -85,11 +87,13 @@ class FenceTable:
         cur = self._sessions.get(session_id)
         if cur is None or not cur.live:
             FENCED.labels(reason="unknown_session").inc()
-            raise NotFoundError(ErrorCode.UNKNOWN_SESSION, "session is not attached (Attach first)")
+            raise NotFoundError(WorkerErrorCode.UNKNOWN_SESSION, "session is not attached (Attach first)")
         if epoch < cur.epoch:
-            raise _fenced(ErrorCode.STALE_EPOCH, f"epoch {epoch} is below the session's epoch {cur.epoch}")
+            raise _fenced(
+                WorkerErrorCode.STALE_EPOCH, f"epoch {epoch} is below the session's epoch {cur.epoch}"
+            )
         if owner != cur.owner:
-            raise _fenced(ErrorCode.NOT_OWNER, "the session is attached to another owner")
+            raise _fenced(WorkerErrorCode.NOT_OWNER, "the session is attached to another owner")
         bumped = epoch > cur.epoch
         cur.epoch = epoch
         return Admission(epoch, bumped)
@@ -121,6 +125,6 @@ class FenceTable:
         return cur is not None and cur.owner == owner and epoch >= cur.epoch
 
 
-def _fenced(code: ErrorCode, message: str) -> FencedError:
+def _fenced(code: WorkerErrorCode, message: str) -> FencedError:
     FENCED.labels(reason=str(code)).inc()
     return FencedError(code, message)

@@ -16,32 +16,29 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from duplex.audio import PcmFormat
-from duplex.errors import BadEventError, DuplexError, ErrorCode
+from duplex.errors import BadEventError, DuplexError, ErrorCode, WorkerErrorCode
 from duplex.v1 import worker_pb2
 
 FloatArray = npt.NDArray[np.float32]
 S = TypeVar("S")
 
-#: Output types a step can declare (``worker_pb2.OutputType`` values).
-AUDIO: int = worker_pb2.OUTPUT_TYPE_AUDIO
-TEXT: int = worker_pb2.OUTPUT_TYPE_TEXT
-SPEECH_STARTED: int = worker_pb2.VadEvent.KIND_SPEECH_STARTED
-SPEECH_STOPPED: int = worker_pb2.VadEvent.KIND_SPEECH_STOPPED
-
-#: The wire code of a malformed submission (not a client-facing ErrorCode: worker protocol only).
-BAD_SUBMISSION = "bad_submission"
+#: Output types a step can declare.
+AUDIO: Final = worker_pb2.OUTPUT_TYPE_AUDIO
+TEXT: Final = worker_pb2.OUTPUT_TYPE_TEXT
+SPEECH_STARTED: Final = worker_pb2.VadEvent.KIND_SPEECH_STARTED
+SPEECH_STOPPED: Final = worker_pb2.VadEvent.KIND_SPEECH_STOPPED
 
 
 def bad_submission(message: str) -> BadEventError:
     """The typed error for a submission the worker refuses (answered with an error update)."""
-    return BadEventError(BAD_SUBMISSION, message)
+    return BadEventError(WorkerErrorCode.BAD_SUBMISSION, message)
 
 
 def no_committed_input() -> BadEventError:
@@ -59,7 +56,7 @@ class ModelError(DuplexError):
 class RequestNews:
     """What one request produced in one step besides audio (all optional)."""
 
-    vad: list[tuple[int, int]] = field(default_factory=list)
+    vad: list[tuple[worker_pb2.VadEvent.Kind.ValueType, int]] = field(default_factory=list)
     """``(VadEvent.Kind, sample_offset)`` pairs, in order."""
     text: str = ""
     """Text produced this step."""
@@ -98,7 +95,7 @@ class StepResult:
     converts it with ``adapt_multimodal_outputs``, failing closed); ``None`` for no payloads."""
     news: list[RequestNews | None]
     """Per batch position; ``None`` when a request has nothing to report."""
-    output_type: int = AUDIO
+    output_type: worker_pb2.OutputType.ValueType = AUDIO
     """The step's ``OutputType``."""
 
 

@@ -19,8 +19,17 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, UnavailableError, abort
-from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from duplex.errors import (
+    BadRequestError,
+    CapacityError,
+    DuplexError,
+    ErrorCode,
+    UnavailableError,
+    WorkerErrorCode,
+    abort,
+)
+from duplex.fence import Fence
+from duplex.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.config import WorkerConfig
 from worker_service.delivery import OutputHub, OwnerChannel
 from worker_service.engine import (
@@ -32,7 +41,6 @@ from worker_service.engine import (
     Engine,
     EngineCommand,
     Enqueue,
-    FenceToken,
     OwnerStep,
     QueueCounter,
     ReleaseSession,
@@ -57,14 +65,6 @@ class ServingState:
     """Set once the model is loaded (the worker serves from then on)."""
     draining: bool = False
     failed: bool = False
-
-
-def _fence(fence: common_pb2.Fence) -> FenceToken:
-    return FenceToken(fence.session_id, fence.epoch, fence.turn_id)
-
-
-def _fence_pb(fence: FenceToken) -> common_pb2.Fence:
-    return common_pb2.Fence(session_id=fence.session_id, epoch=fence.epoch, turn_id=fence.turn_id)
 
 
 class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
@@ -93,7 +93,9 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
     # -- unary -----------------------------------------------------------------------------------
 
     async def Describe(
-        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self,
+        request: worker_pb2.DescribeRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.DescribeRequest, worker_pb2.WorkerDescription],
     ) -> worker_pb2.WorkerDescription:
         model = self._state.model
         if model is None:
@@ -109,7 +111,9 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         )
 
     async def Attach(
-        self, request: worker_pb2.AttachRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self,
+        request: worker_pb2.AttachRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.AttachRequest, worker_pb2.AttachResponse],
     ) -> worker_pb2.AttachResponse:
         try:
             self._serving_model()
@@ -134,16 +138,16 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         request_id = self._request_ids.get(session_id)
         if request_id is None:
             return
-        fence = FenceToken(session_id, epoch, 0)
+        fence = Fence(session_id, epoch, 0)
         msg = "the session was taken over by another owner"
-        self._hub.send_updates(owner, [Update(request_id, fence, error=(ErrorCode.NOT_OWNER.value, msg))])
+        self._hub.send_updates(owner, [Update(request_id, fence, error=(WorkerErrorCode.NOT_OWNER, msg))])
 
     # -- the command stream ----------------------------------------------------------------------
 
     async def Run(
         self,
         request_iterator: AsyncIterator[worker_pb2.WorkerCommand],
-        context: grpc.aio.ServicerContext[Any, Any],
+        context: grpc.aio.ServicerContext[worker_pb2.WorkerCommand, worker_pb2.StepOutput],
     ) -> AsyncIterator[worker_pb2.StepOutput]:
         try:
             self._serving_model()
@@ -241,7 +245,9 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             try:
                 admission = self._fences.check(ab.fence.session_id, ab.fence.epoch, owner)
             except DuplexError as err:
-                rejected.append(Update(ab.request_id, _fence(ab.fence), error=(err.code, err.message)))
+                rejected.append(
+                    Update(ab.request_id, Fence.from_proto(ab.fence), error=(err.code, err.message))
+                )
                 continue
             if admission.bumped:
                 engine_cmds.append(AbortOlder(ab.fence.session_id, admission.epoch))
@@ -253,11 +259,13 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                 counter = self._counters.setdefault(sub.fence.session_id, QueueCounter())
                 if counter.depth + work.units > self._config.max_queued_frames:
                     raise CapacityError(
-                        "capacity",
+                        WorkerErrorCode.CAPACITY,
                         f"the request's input queue is full ({self._config.max_queued_frames} frames)",
                     )
             except DuplexError as err:
-                rejected.append(Update(sub.request_id, _fence(sub.fence), error=(err.code, err.message)))
+                rejected.append(
+                    Update(sub.request_id, Fence.from_proto(sub.fence), error=(err.code, err.message))
+                )
                 continue
             if admission.bumped:
                 engine_cmds.append(AbortOlder(sub.fence.session_id, admission.epoch))
@@ -287,7 +295,11 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         if sub.HasField("params"):
             options = model.parse_options(json_format.MessageToDict(sub.params))
         work = Work(
-            kind=sub.kind, fence=_fence(sub.fence), owner=owner, request_id=sub.request_id, options=options
+            kind=sub.kind,
+            fence=Fence.from_proto(sub.fence),
+            owner=owner,
+            request_id=sub.request_id,
+            options=options,
         )
         if sub.kind == APPEND:
             fmt = model.audio_format
@@ -312,21 +324,23 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                     return None
         out = worker_pb2.StepOutput(step=item.step)
         for rid, fence in item.batch:
-            out.batch.add(request_id=rid, fence=_fence_pb(fence))
+            entry = out.batch.add(request_id=rid)
+            fence.write_to(entry.fence)
         if item.step:
             mm = out.outputs
-            mm.output_type = item.output_type  # type: ignore[assignment]
+            mm.output_type = item.output_type
             mm.sparse_audio = item.sparse
             mm.req_id.extend(item.audio_ids)
             mm.audio.extend(item.audio)
         for upd in item.updates:
-            ru = out.updates.add(request_id=upd.request_id, fence=_fence_pb(upd.fence))
+            ru = out.updates.add(request_id=upd.request_id)
+            upd.fence.write_to(ru.fence)
             if upd.error is not None:
                 REQUEST_ERRORS.labels(code=upd.error[0]).inc()
                 ru.error.code, ru.error.message = upd.error
                 continue
             for kind, offset in upd.vad:
-                ru.vad.add(kind=kind, sample_offset=offset)  # type: ignore[arg-type]
+                ru.vad.add(kind=kind, sample_offset=offset)
             ru.text = upd.text
             ru.input_seq = upd.input_seq
             ru.turn_ended = upd.turn_ended

@@ -51,26 +51,27 @@ _Dict = dict[str, object]
 def adapt_multimodal_outputs(
     raw: object,
     *,
-    output_type: int,
+    output_type: worker_pb2.OutputType.ValueType,
     batch_req_ids: Sequence[str],
     audio_format: common_pb2.AudioFormat | None = None,
     reporter: FailClosedReporter | None = None,
 ) -> worker_pb2.MultimodalOutputs:
     """Convert a step's raw outputs into the typed ``MultimodalOutputs``.
 
-    ``raw`` is a typed ``MultimodalOutputs`` (returned as is: the session service's router
-    validates typed messages), a legacy dict, or ``None`` (the step produced no outputs).
-    ``output_type`` is a ``worker_pb2.OutputType`` value. ``batch_req_ids`` is the step's batch,
-    in order, that dense payloads align to. ``audio_format`` is the stream's PCM format: array
-    payloads are encoded to it (s16le when absent) and every payload is tagged with it when given.
+    ``raw`` is a typed ``MultimodalOutputs`` (returned as is: a typed declaration is checked by
+    ``duplex.sparse.typed_audio_payloads``, which the engine runs on every step before slicing
+    it per owner and the session service's router runs again on what it receives), a legacy
+    dict, or ``None`` (the step produced no outputs). ``output_type`` is the step's type.
+    ``batch_req_ids`` is the step's batch, in order, that dense payloads align to.
+    ``audio_format`` is the stream's PCM format: array payloads are encoded to it (s16le when
+    absent) and every payload is tagged with it when given.
 
     Never raises for a bad declaration or payload: on an AUDIO step it fails closed.
     """
     if issubclass(type(raw), worker_pb2.MultimodalOutputs):
         return cast(worker_pb2.MultimodalOutputs, raw)
-    otype = worker_pb2.OutputType.ValueType(output_type)
-    if otype != _AUDIO:
-        return _adapt_non_audio(raw, otype, audio_format)
+    if output_type != _AUDIO:
+        return _adapt_non_audio(raw, output_type, audio_format)
     try:
         return _adapt_audio(raw, batch_req_ids, audio_format)
     except InvalidSparseDeclaration as err:
@@ -262,7 +263,7 @@ def _fill_payloads(
             payload.format.CopyFrom(fmt)
 
 
-def _to_pcm(item: object, encoding: int) -> bytes:
+def _to_pcm(item: object, encoding: common_pb2.AudioEncoding.ValueType) -> bytes:
     kind = carrier_kind(item)
     if kind == "bytes":
         # Bytes are taken to be in the stream's format already.
@@ -299,7 +300,7 @@ def _tensor_to_numpy(item: object) -> npt.NDArray[Any]:
     return t.cpu().numpy()
 
 
-def _encode(arr: npt.NDArray[Any], encoding: int) -> bytes:
+def _encode(arr: npt.NDArray[Any], encoding: common_pb2.AudioEncoding.ValueType) -> bytes:
     if arr.ndim != 1:
         raise InvalidSparseDeclaration(
             SparseCause.ILLEGAL_PAYLOAD, "payload_shape", f"audio payload must be 1-D, got {arr.ndim}-D"
