@@ -180,9 +180,8 @@ def _list(v: object, n: int | None = None) -> list[object]:
 def _parse_fmt(v: object) -> PcmFormat:
     enc, rate, ch = (_int(x) for x in _list(v, 3))
     # The wire validation: only formats an open could have set.
-    return PcmFormat.from_proto(
-        common_pb2.AudioFormat(encoding=enc, sample_rate_hz=rate, channels=ch)  # type: ignore[arg-type]
-    )
+    encoding = common_pb2.AudioEncoding.ValueType(enc)
+    return PcmFormat.from_proto(common_pb2.AudioFormat(encoding=encoding, sample_rate_hz=rate, channels=ch))
 
 
 def _parse_settings(v: object) -> SessionSettings:

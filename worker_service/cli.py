@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -70,8 +71,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         }
         options = {k: v for k, v in keys.items() if v is not None}
     host = split_host_port(args.listen)[0]
-    extra = {"worker_id": args.worker_id} if args.worker_id else {}
-    return WorkerConfig(
+    config = WorkerConfig(
         model=args.model,
         listen=args.listen,
         metrics_host=host,
@@ -84,8 +84,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         orphan_grace_s=args.orphan_grace_s,
         torch_threads=args.torch_threads,
         model_options=options,
-        **extra,  # type: ignore[arg-type]
     )
+    # Without --worker-id the config's own default (a fresh random id) stands.
+    return dataclasses.replace(config, worker_id=args.worker_id) if args.worker_id else config
 
 
 async def serve(config: WorkerConfig) -> int:

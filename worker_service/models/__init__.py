@@ -16,13 +16,15 @@ ModelFactory = Callable[[torch.device, Mapping[str, object]], StepModel[Any]]
 def _parrot(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
     from worker_service.models.parrot import ParrotModel
 
-    return ParrotModel(device, **options)  # type: ignore[arg-type]
+    # Options come from the command line untyped; the model checks each (TypeError/ValueError).
+    return ParrotModel(device, **options)  # type: ignore[arg-type]  # see above
 
 
 def _synthetic(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
     from worker_service.models.synthetic import SyntheticModel
 
-    return SyntheticModel(device, **options)  # type: ignore[arg-type]
+    # As for parrot: the model checks its options itself.
+    return SyntheticModel(device, **options)  # type: ignore[arg-type]  # see above
 
 
 MODELS: dict[str, ModelFactory] = {

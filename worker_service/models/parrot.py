@@ -155,6 +155,7 @@ def load_silero(device: torch.device) -> torch.jit.ScriptModule:
     import silero_vad
 
     path = os.path.join(os.path.dirname(silero_vad.__file__), "data", "silero_vad.jit")
+    # torch.jit.load has no annotations in torch's own typing.
     module = torch.jit.load(path, map_location=device)  # type: ignore[no-untyped-call]
     module.eval()
     net: torch.jit.ScriptModule = module._model
