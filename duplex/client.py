@@ -667,6 +667,7 @@ class Session:
             for chunk in chunks:
                 pending += converter.convert(chunk)
                 await flush(False)
+        pending += converter.flush()  # what the resampler still holds: the input's last few ms
         await flush(True)
         return sent_ms
 

@@ -1,7 +1,8 @@
-"""duplex.audio: format validation, PCM framing, seamless streaming resampling, WAV files."""
+"""duplex.audio: format validation, PCM framing, streaming resampling (libsoxr), WAV files."""
 
 from __future__ import annotations
 
+import itertools
 import wave
 from pathlib import Path
 
@@ -18,6 +19,37 @@ from duplex.v1 import common_pb2
 
 def _fmt(enc: int = audio.S16LE, rate: int = 16000, ch: int = 1) -> common_pb2.AudioFormat:
     return common_pb2.AudioFormat(encoding=enc, sample_rate_hz=rate, channels=ch)  # type: ignore[arg-type]
+
+
+def _tone(freq_hz: float, rate: int, seconds: float = 1.0, amplitude: float = 0.5) -> np.ndarray:
+    t = np.arange(round(rate * seconds)) / rate
+    return (amplitude * np.sin(2 * np.pi * freq_hz * t)).astype(np.float32)
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+
+
+def _gain_db(y: np.ndarray, x: np.ndarray, rate: int) -> float:
+    """Output RMS relative to input RMS, skipping 50 ms at each end (the filter's start-up
+    and end transients: a tone that starts abruptly rings for the filter's length)."""
+    skip = rate // 20
+    return float(20 * np.log10(max(_rms(y[skip:-skip]), 1e-12) / _rms(x)))
+
+
+def _convert_in_chunks(conv: StreamConverter, pcm: bytes, chunk_bytes: list[int]) -> bytes:
+    """Feed ``pcm`` in pieces of the given sizes (cycled), then flush."""
+    out, pos = [], 0
+    for size in itertools.cycle(chunk_bytes):
+        if pos >= len(pcm):
+            break
+        out.append(conv.convert(pcm[pos : pos + size]))
+        pos += size
+    out.append(conv.flush())
+    return b"".join(out)
+
+
+# --- Formats and PCM --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -42,14 +74,17 @@ def test_partial_frames_are_invalid_pcm_length(n: int) -> None:
     with pytest.raises(BadEventError) as exc:
         audio.decode(bytes(n), PCM16K_MONO)
     assert exc.value.code == ErrorCode.INVALID_PCM_LENGTH
-    with pytest.raises(BadEventError):
-        StreamConverter(PCM16K_MONO, PCM16K_MONO).convert(bytes(n))
+    for src in (PCM16K_MONO, PcmFormat(audio.S16LE, 48000, 1)):  # identity and resampling paths
+        with pytest.raises(BadEventError) as exc:
+            StreamConverter(src, PCM16K_MONO).convert(bytes(n))
+        assert exc.value.code == ErrorCode.INVALID_PCM_LENGTH
 
 
 def test_float_pcm_with_nan_is_refused() -> None:
     fmt = PcmFormat(audio.F32LE, 16000, 1)
-    with pytest.raises(BadEventError):
+    with pytest.raises(BadEventError) as exc:
         audio.decode(np.array([0.1, np.nan], dtype="<f4").tobytes(), fmt)
+    assert exc.value.code == ErrorCode.INVALID_EVENT
 
 
 def test_encode_decode_round_trip_s16_and_f32() -> None:
@@ -60,43 +95,196 @@ def test_encode_decode_round_trip_s16_and_f32() -> None:
         assert np.max(np.abs(x - y)) <= tol
 
 
-@settings(max_examples=60, deadline=None)
-@example(rates=(48000, 16000), cuts=[3999])  # a chunk ending exactly on an output position
-@example(rates=(44100, 16000), cuts=[0])  # an empty chunk
-@given(
-    rates=st.sampled_from([(8000, 16000), (44100, 16000), (48000, 16000), (16000, 24000), (22050, 16000)]),
-    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=12),
-)
-def test_streaming_resampler_is_seamless_across_chunks(rates: tuple[int, int], cuts: list[int]) -> None:
-    """Any chunking of a signal gives exactly the samples of processing it whole."""
-    src, dst = rates
-    rng = np.random.default_rng(1)
-    x = rng.uniform(-1, 1, 4000).astype(np.float32)
-    whole = StreamingResampler(src, dst).process(x)
-    r = StreamingResampler(src, dst)
-    parts = [r.process(c) for c in np.split(x, sorted(set(cuts)))]
-    pieced = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    assert len(pieced) == len(whole)
-    np.testing.assert_allclose(pieced, whole, atol=1e-6)
+# --- Resampling: filter quality ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("freq_hz", [8500, 9000, 10000, 12000, 14000, 16000, 20000, 23000])
+def test_tones_above_the_output_nyquist_are_attenuated_60_db(freq_hz: int) -> None:
+    """48 -> 16 kHz: what lies above 8 kHz must not alias back into the band (the old linear
+    interpolator let 10/12/14 kHz through at -5.9/-9.5/-15.9 dB)."""
+    x = _tone(freq_hz, 48000)
+    assert _gain_db(audio.resample(x, 48000, 16000), x, 16000) <= -60.0
+    # Streaming, in uneven chunks (float PCM so that 16-bit quantisation does not set the floor).
+    src, dst = PcmFormat(audio.F32LE, 48000, 1), PcmFormat(audio.F32LE, 16000, 1)
+    out = _convert_in_chunks(StreamConverter(src, dst), audio.encode(x, src), [4 * 480, 4 * 7, 4 * 1031])
+    assert _gain_db(audio.decode(out, dst)[:, 0], x, 16000) <= -60.0
+
+
+@pytest.mark.parametrize(("src", "freq_hz"), [(44100, 10000), (44100, 14000), (32000, 12000), (24000, 9000)])
+def test_other_rates_reject_content_above_16k_nyquist(src: int, freq_hz: int) -> None:
+    x = _tone(freq_hz, src)
+    assert _gain_db(audio.resample(x, src, 16000), x, 16000) <= -60.0
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "freq_hz"),
+    [(48000, 16000, 1000), (48000, 16000, 3000), (48000, 16000, 6000), (16000, 48000, 1000),
+     (8000, 16000, 1000), (44100, 16000, 440), (16000, 24000, 5000)],
+)  # fmt: skip
+def test_in_band_tones_pass_within_half_a_db(src: int, dst: int, freq_hz: int) -> None:
+    x = _tone(freq_hz, src)
+    assert abs(_gain_db(audio.resample(x, src, dst), x, dst)) <= 0.5
+
+
+def test_upsampling_adds_no_images() -> None:
+    """16 -> 48 kHz: a 3 kHz tone's images (13, 19 kHz, ...) stay at least 60 dB down."""
+    y = audio.resample(_tone(3000, 16000), 16000, 48000)[2400:-2400]
+    spectrum = np.abs(np.fft.rfft(y * np.hanning(len(y))))
+    freqs = np.fft.rfftfreq(len(y), 1 / 48000)
+    assert 20 * np.log10(spectrum[freqs > 8000].max() / spectrum.max()) <= -60.0
 
 
 def test_resample_keeps_pitch_and_duration() -> None:
-    t = np.arange(44100) / 44100
-    x = np.sin(2 * np.pi * 440 * t).astype(np.float32)
-    y = audio.resample(x, 44100, 16000)
+    y = audio.resample(_tone(440, 44100), 44100, 16000)
     assert len(y) == 16000
     spectrum = np.abs(np.fft.rfft(y))
     assert abs(np.argmax(spectrum) - 440) <= 1  # 1 s of audio: bin index == Hz
 
 
+# --- Resampling: streaming --------------------------------------------------------------------
+
+_RATE_PAIRS = [(a, b) for a, b in itertools.permutations(audio.SUPPORTED_RATES, 2)]
+
+
+@settings(max_examples=60, deadline=None)
+@example(rates=(48000, 16000), cuts=[3999])  # a chunk ending exactly on an output position
+@example(rates=(44100, 16000), cuts=[0])  # an empty first chunk
+@example(rates=(8000, 16000), cuts=[100, 100, 100, 4000])  # empty chunks mid-stream and at the end
+@given(
+    rates=st.sampled_from(_RATE_PAIRS),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=12),
+)
+def test_streaming_resampler_is_seamless_across_chunks(rates: tuple[int, int], cuts: list[int]) -> None:
+    """Any chunking of a signal, empty chunks included, gives exactly the samples of feeding it
+    whole, and the stream plus its flush is ``resample`` of the whole signal.
+
+    Exact, not merely close: libsoxr queues input in a FIFO and filters it in blocks of a size
+    it fixes at creation, so the same arithmetic runs whatever the chunk boundaries.
+    """
+    src, dst = rates
+    x = np.random.default_rng(1).uniform(-1, 1, 4000).astype(np.float32)
+    r = StreamingResampler(src, dst)
+    whole = np.concatenate([r.process(x), r.flush()])
+    r = StreamingResampler(src, dst)
+    parts = [r.process(c) for c in np.split(x, sorted(cuts))]
+    pieced = np.concatenate([*parts, r.flush()])
+    np.testing.assert_array_equal(pieced, whole)
+    np.testing.assert_array_equal(whole, audio.resample(x, src, dst))
+    assert len(whole) == audio.resampled_length(len(x), src, dst)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rates=st.sampled_from(_RATE_PAIRS),
+    src_channels=st.sampled_from([1, 2]),
+    encodings=st.sampled_from(list(itertools.product([audio.S16LE, audio.F32LE], repeat=2))),
+    cuts=st.lists(st.integers(min_value=0, max_value=1500), max_size=8),
+)
+def test_stream_converter_output_does_not_depend_on_chunking(
+    rates: tuple[int, int],
+    src_channels: int,
+    encodings: tuple[audio.Encoding, audio.Encoding],
+    cuts: list[int],
+) -> None:
+    src = PcmFormat(encodings[0], rates[0], src_channels)
+    dst = PcmFormat(encodings[1], rates[1], 1)
+    x = np.random.default_rng(2).uniform(-0.9, 0.9, (1500, src_channels)).astype(np.float32)
+    pcm = audio.encode(x, src)
+    conv = StreamConverter(src, dst)
+    whole = conv.convert(pcm) + conv.flush()
+    edges = [0, *(c * src.frame_bytes for c in sorted(cuts)), len(pcm)]
+    conv = StreamConverter(src, dst)
+    pieced = b"".join(conv.convert(pcm[a:b]) for a, b in itertools.pairwise(edges)) + conv.flush()
+    assert pieced == whole
+    n_out = audio.resampled_length(1500, src.sample_rate_hz, dst.sample_rate_hz)
+    assert len(whole) == n_out * dst.frame_bytes
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 7, 101, 4001])
+def test_resample_length_contract_for_every_supported_pair(n: int) -> None:
+    """round(n * dst / src) samples, ties included (libsoxr itself sometimes rounds a tie up)."""
+    x = np.random.default_rng(n).uniform(-1, 1, n).astype(np.float32)
+    for src, dst in _RATE_PAIRS:
+        assert len(audio.resample(x, src, dst)) == round(n * dst / src), (src, dst)
+
+
+def test_flush_returns_the_held_tail_and_starts_a_fresh_stream() -> None:
+    src, dst = PcmFormat(audio.S16LE, 48000, 1), PCM16K_MONO
+    x = _tone(1000, 48000, seconds=0.5)
+    pcm = audio.encode(x, src)
+    conv = StreamConverter(src, dst)
+    head = b"".join(conv.convert(pcm[i : i + 1920]) for i in range(0, len(pcm), 1920))  # 20 ms chunks
+    expected = audio.encode(audio.resample(audio.decode(pcm, src)[:, 0], 48000, 16000), dst)
+    assert len(head) < len(expected)  # the resampler holds some output back...
+    tail = conv.flush()
+    assert tail and head + tail == expected  # ...which flush hands over, to the exact length
+    assert conv.flush() == b""  # nothing held after a flush
+    assert conv.convert(pcm) + conv.flush() == expected  # a fresh stream, as from a new converter
+
+
+def test_reset_drops_held_samples_and_filter_history() -> None:
+    src, dst = PcmFormat(audio.F32LE, 44100, 2), PcmFormat(audio.S16LE, 16000, 1)
+    rng = np.random.default_rng(3)
+    a = audio.encode(rng.uniform(-0.5, 0.5, (4410, 2)), src)
+    b = audio.encode(rng.uniform(-0.5, 0.5, (4410, 2)), src)
+    fresh = StreamConverter(src, dst)
+    expected = fresh.convert(b) + fresh.flush()
+    conv = StreamConverter(src, dst)
+    conv.convert(a)
+    conv.reset()
+    assert conv.flush() == b""  # nothing of a is left
+    conv.convert(a)
+    conv.reset()
+    assert conv.convert(b) + conv.flush() == expected  # b alone, as if a had never been
+
+
+def test_a_refused_chunk_leaves_the_stream_untouched() -> None:
+    src, dst = PcmFormat(audio.F32LE, 48000, 1), PCM16K_MONO
+    rng = np.random.default_rng(4)
+    a, b = (audio.encode(rng.uniform(-0.5, 0.5, 4800), src) for _ in range(2))
+    ref = StreamConverter(src, dst)
+    expected = ref.convert(a) + ref.convert(b) + ref.flush()
+    conv = StreamConverter(src, dst)
+    got = conv.convert(a)
+    for bad, code in ((b"\0" * 5, ErrorCode.INVALID_PCM_LENGTH), (np.array([np.nan], "<f4").tobytes(), None)):
+        with pytest.raises(BadEventError) as exc:
+            conv.convert(bad)
+        assert code is None or exc.value.code == code
+    assert got + conv.convert(b) + conv.flush() == expected
+
+
+def test_equal_formats_are_the_identity_and_hold_nothing() -> None:
+    fmt = PcmFormat(audio.S16LE, 24000, 2)
+    pcm = audio.encode(np.random.default_rng(5).uniform(-0.5, 0.5, (480, 2)), fmt)
+    conv = StreamConverter(fmt, fmt)
+    assert conv.convert(pcm) is pcm  # not even a copy
+    assert conv.flush() == b""
+    conv.reset()
+    assert conv.convert(pcm) is pcm
+
+
+def test_same_rate_conversion_holds_nothing() -> None:
+    src, dst = PcmFormat(audio.F32LE, 16000, 2), PCM16K_MONO
+    x = np.stack([np.full(160, 0.5), np.zeros(160)], axis=1)
+    conv = StreamConverter(src, dst)
+    y = audio.decode(conv.convert(audio.encode(x, src)), dst)[:, 0]
+    np.testing.assert_allclose(y, 0.25, atol=1 / 32768)
+    assert conv.flush() == b""
+
+
 def test_stream_converter_mixes_stereo_to_mono_and_resamples() -> None:
     src = PcmFormat(audio.S16LE, 32000, 2)
     left = np.full(3200, 0.5, np.float32)
-    stereo = np.stack([left, -left * 0.0], axis=1)
-    out = StreamConverter(src, PCM16K_MONO).convert(audio.encode(stereo, src))
+    stereo = np.stack([left, np.zeros_like(left)], axis=1)
+    conv = StreamConverter(src, PCM16K_MONO)
+    out = conv.convert(audio.encode(stereo, src)) + conv.flush()
     y = audio.decode(out, PCM16K_MONO)[:, 0]
-    assert 1590 <= len(y) <= 1600
-    assert np.allclose(y[10:-10], 0.25, atol=2e-3)
+    assert len(y) == 1600
+    # A step from and back to silence rings at its two edges (a band-limited step): the middle is flat.
+    np.testing.assert_allclose(y[100:-100], 0.25, atol=2e-3)
+
+
+# --- WAV files --------------------------------------------------------------------------------
 
 
 def test_wav_round_trip(tmp_path: Path) -> None:
