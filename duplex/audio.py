@@ -2,19 +2,19 @@
 
 Everything here runs on host memory: in the session service (client audio to the worker's
 format and back), in the client (files to the session's format) and in tests. Resampling is
-libsoxr's (``soxr``). Samples are float32 in [-1, 1], shaped ``(frames, channels)`` unless
-noted.
+libsoxr's (``soxr``), WAV files are libsndfile's (``soundfile``). Samples are float32 in
+[-1, 1], shaped ``(frames, channels)`` unless noted.
 """
 
 from __future__ import annotations
 
-import wave
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+import soundfile as sf
 import soxr
 
 from duplex.errors import BadEventError, ErrorCode
@@ -32,7 +32,7 @@ MAX_CHANNELS = 2
 
 
 class AudioFileError(ValueError):
-    """A WAV file that cannot be read (not RIFF/WAVE, compressed, truncated, empty)."""
+    """A WAV file that cannot be read (missing, not a WAV, malformed, truncated, empty)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,47 +268,47 @@ class StreamConverter:
             self._resampler.reset()
 
 
+#: Containers ``read_wav`` accepts (libsndfile's names): RIFF WAVE, WAVE_FORMAT_EXTENSIBLE, RF64.
+_WAV_CONTAINERS = frozenset({"WAV", "WAVEX", "RF64"})
+
+
 def read_wav(path: str | Path) -> tuple[FloatArray, int]:
-    """Read a PCM WAV file as float32 ``(frames, channels)`` and its sample rate."""
+    """Read a WAV file as float32 ``(frames, channels)`` in [-1, 1] and its sample rate.
+
+    Any WAV that libsndfile decodes: 8/16/24/32-bit integer PCM, 32/64-bit IEEE float,
+    WAVE_FORMAT_EXTENSIBLE headers, any channel count. Raises ``AudioFileError`` with a
+    one-line reason for a missing, unreadable, non-WAV, malformed or empty file.
+    """
     try:
-        with wave.open(str(path), "rb") as w:
-            channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
-            raw = w.readframes(n)
-    except (wave.Error, EOFError) as exc:
-        raise AudioFileError(f"{path}: not a readable PCM WAV file ({exc})") from exc
+        with open(path, "rb") as f, sf.SoundFile(f) as snd:
+            if snd.format not in _WAV_CONTAINERS:
+                raise AudioFileError(f"{path}: not a WAV file ({snd.format_info})")
+            x: FloatArray = snd.read(dtype="float32", always_2d=True)
+            rate = int(snd.samplerate)
+    except sf.LibsndfileError as exc:
+        raise AudioFileError(f"{path}: not a readable WAV file ({exc.error_string})") from exc
     except OSError as exc:
         raise AudioFileError(f"{path}: cannot open ({exc.strerror or exc})") from exc
-    if channels < 1 or rate <= 0:
-        raise AudioFileError(f"{path}: invalid header (channels={channels}, rate={rate})")
-    if not raw or len(raw) < width * channels:
+    if len(x) == 0:
         raise AudioFileError(f"{path}: no audio frames")
-    raw = raw[: len(raw) - len(raw) % (width * channels)]
-    if width == 1:
-        x = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
-    elif width == 2:
-        x = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
-    elif width == 3:
-        b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
-        v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-        v = np.where(v >= 1 << 23, v - (1 << 24), v)
-        x = v.astype(np.float32) / float(1 << 23)
-    elif width == 4:
-        x = np.frombuffer(raw, dtype="<i4").astype(np.float32) / float(1 << 31)
-    else:
-        raise AudioFileError(f"{path}: unsupported sample width {width} bytes")
-    return x.reshape(-1, channels), rate
+    if not np.all(np.isfinite(x)):  # a float WAV can hold them; nothing downstream can
+        raise AudioFileError(f"{path}: samples contain NaN or infinity")
+    np.clip(x, -1.0, 1.0, out=x)  # a float WAV may also go past full scale
+    return x, rate
 
 
 def write_wav(path: str | Path, samples: npt.NDArray[np.floating], sample_rate_hz: int) -> None:
-    """Write float ``(frames,)`` or ``(frames, channels)`` as 16-bit PCM WAV."""
+    """Write float ``(frames,)`` or ``(frames, channels)`` as 16-bit PCM WAV.
+
+    Raises ``OSError`` when the file cannot be created.
+    """
     x = np.asarray(samples, dtype=np.float32)
     if x.ndim == 1:
         x = x[:, None]
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(x.shape[1])
-        w.setsampwidth(2)
-        w.setframerate(sample_rate_hz)
-        w.writeframes(_to_int16(x).tobytes())
+    # Quantised here as ``encode`` does, not left to libsndfile's own float scaling: the file
+    # holds the samples the wire would carry, and read_wav inverts them to one step.
+    with open(path, "wb") as f:
+        sf.write(f, _to_int16(x), sample_rate_hz, format="WAV", subtype="PCM_16")
 
 
 __all__ = [

@@ -124,7 +124,7 @@ def turn_detection(
 
 
 def load_wav_as(path: str | Path, fmt: PcmFormat) -> bytes:
-    """Read a WAV file (any rate, 8-32 bit, any channel count) as PCM bytes in ``fmt``.
+    """Read a WAV file (any rate, integer or float PCM, any channel count) as PCM bytes in ``fmt``.
 
     Channels are averaged to mono and then resampled, so a 44.1 kHz stereo file becomes
     what a 16 kHz mono session expects. Raises ``duplex.audio.AudioFileError`` (a missing

@@ -1,13 +1,16 @@
-"""duplex.audio: format validation, PCM framing, streaming resampling (libsoxr), WAV files."""
+"""duplex.audio: format validation, PCM framing, streaming resampling (libsoxr), WAV files (libsndfile)."""
 
 from __future__ import annotations
 
 import itertools
+import struct
+import sys
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile as sf
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +18,10 @@ from duplex import audio
 from duplex.audio import PCM16K_MONO, AudioFileError, PcmFormat, StreamConverter, StreamingResampler
 from duplex.errors import BadEventError, ErrorCode
 from duplex.v1 import common_pb2
+
+FIXTURES = Path(__file__).parent / "fixtures"
+F32_48K = FIXTURES / "speech_03_f32_48k.wav"
+S24_EXTENSIBLE = FIXTURES / "speech_05_s24_ext_22k_stereo.wav"
 
 
 def _fmt(enc: int = audio.S16LE, rate: int = 16000, ch: int = 1) -> common_pb2.AudioFormat:
@@ -287,10 +294,58 @@ def test_stream_converter_mixes_stereo_to_mono_and_resamples() -> None:
 # --- WAV files --------------------------------------------------------------------------------
 
 
+def _format_tag(path: Path) -> int:
+    """The WAVE format tag of ``path``'s "fmt " chunk (3: IEEE float, 0xFFFE: extensible)."""
+    data = path.read_bytes()
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    pos = 12
+    while data[pos : pos + 4] != b"fmt ":
+        pos += 8 + struct.unpack_from("<I", data, pos + 4)[0]
+    tag: int = struct.unpack_from("<H", data, pos + 8)[0]
+    return tag
+
+
+def _wave_refuses(path: Path) -> bool:
+    try:
+        wave.open(str(path), "rb").close()
+    except wave.Error:
+        return True
+    return False
+
+
+def _fixture_speech(name: str, rate: int) -> np.ndarray:
+    x, src_rate = audio.read_wav(FIXTURES / name)
+    return audio.resample(audio.to_mono(x), src_rate, rate)
+
+
+def test_reads_ieee_float_48k_fixture() -> None:
+    assert _format_tag(F32_48K) == 3  # WAVE_FORMAT_IEEE_FLOAT
+    if sys.version_info < (3, 15):  # 3.15's wave reads IEEE float
+        assert _wave_refuses(F32_48K)
+    x, rate = audio.read_wav(F32_48K)
+    assert rate == 48000 and x.shape == (40632, 1) and x.dtype == np.float32
+    # The same speech as the 16 kHz original it was made from (sox's resampler, not ours).
+    original = _fixture_speech("speech_03.wav", 48000)
+    assert np.corrcoef(x[: len(original), 0], original[: len(x)])[0, 1] > 0.99
+
+
+def test_reads_24_bit_wave_format_extensible_fixture() -> None:
+    assert _format_tag(S24_EXTENSIBLE) == 0xFFFE  # WAVE_FORMAT_EXTENSIBLE
+    assert sf.info(str(S24_EXTENSIBLE)).subtype == "PCM_24"
+    if sys.version_info < (3, 12):  # 3.12's wave reads extensible PCM
+        assert _wave_refuses(S24_EXTENSIBLE)
+    x, rate = audio.read_wav(S24_EXTENSIBLE)
+    assert rate == 22050 and x.shape == (20296, 2)
+    np.testing.assert_array_equal(x[:, 0], x[:, 1])  # sox copied the mono original to both channels
+    original = _fixture_speech("speech_05.wav", 22050)
+    assert np.corrcoef(x[: len(original), 0], original[: len(x)])[0, 1] > 0.99
+
+
 def test_wav_round_trip(tmp_path: Path) -> None:
     x = np.stack([np.linspace(-0.5, 0.5, 800), np.zeros(800)], axis=1).astype(np.float32)
     path = tmp_path / "a.wav"
     audio.write_wav(path, x, 44100)
+    assert _format_tag(path) == 1 and sf.info(str(path)).subtype == "PCM_16"
     y, rate = audio.read_wav(path)
     assert rate == 44100 and y.shape == (800, 2)
     assert np.max(np.abs(x - y)) <= 1 / 32767
@@ -310,14 +365,67 @@ def test_reads_24_bit_wav(tmp_path: Path) -> None:
     np.testing.assert_allclose(y[:, 0], [0.0, 0.5, -0.5, 1.0], atol=1e-6)
 
 
-@pytest.mark.parametrize("content", [b"", b"not a wav at all", b"RIFF\x00\x00\x00\x00WAVE"])
-def test_malformed_wav_is_an_audio_file_error(tmp_path: Path, content: bytes) -> None:
+@pytest.mark.parametrize(
+    ("subtype", "tol"),
+    [("PCM_U8", 1 / 128), ("PCM_16", 1 / 32768), ("PCM_24", 2**-23), ("PCM_32", 1e-7), ("FLOAT", 0.0),
+     ("DOUBLE", 0.0)],
+)  # fmt: skip
+@pytest.mark.parametrize("extensible", [False, True])
+def test_reads_every_pcm_and_float_width(tmp_path: Path, subtype: str, tol: float, extensible: bool) -> None:
+    x = np.stack([np.linspace(-0.75, 0.75, 300), np.linspace(0.5, -0.5, 300)], axis=1).astype(np.float32)
+    path = tmp_path / f"{subtype}.wav"
+    sf.write(str(path), x, 11025, format="WAVEX" if extensible else "WAV", subtype=subtype)
+    y, rate = audio.read_wav(path)
+    assert rate == 11025 and y.shape == (300, 2) and y.dtype == np.float32
+    assert np.max(np.abs(x - y)) <= tol
+
+
+def test_float_wav_with_nan_is_an_audio_file_error(tmp_path: Path) -> None:
+    path = tmp_path / "nan.wav"
+    sf.write(str(path), np.array([0.1, np.nan, 0.2], np.float32), 16000, subtype="FLOAT")
+    with pytest.raises(AudioFileError, match="NaN"):
+        audio.read_wav(path)
+
+
+def _valid_wav_bytes(tmp_path: Path) -> bytes:
+    path = tmp_path / "ok.wav"
+    audio.write_wav(path, np.linspace(-0.5, 0.5, 100), 16000)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"", "not a readable WAV"),
+        (b"not a wav at all", "not a readable WAV"),
+        (b"RIFF\x00\x00\x00\x00WAVE", "not a readable WAV"),
+        (lambda ok: ok[:30], "not a readable WAV"),  # cut inside the header
+        (lambda ok: ok[:44], "no audio frames"),  # a header and no samples
+        (lambda ok: ok[:45], "no audio frames"),  # half a sample
+    ],
+)
+def test_malformed_wav_is_an_audio_file_error(tmp_path: Path, content: object, reason: str) -> None:
     path = tmp_path / "bad.wav"
-    path.write_bytes(content)
-    with pytest.raises(AudioFileError):
+    path.write_bytes(content(_valid_wav_bytes(tmp_path)) if callable(content) else content)  # type: ignore[arg-type]
+    with pytest.raises(AudioFileError, match=reason) as exc:
+        audio.read_wav(path)
+    assert str(path) in str(exc.value)
+
+
+def test_truncated_data_keeps_the_whole_frames_present(tmp_path: Path) -> None:
+    path = tmp_path / "cut.wav"
+    path.write_bytes(_valid_wav_bytes(tmp_path)[: 44 + 2 * 60 + 1])  # 60 samples and one byte
+    x, rate = audio.read_wav(path)
+    assert rate == 16000 and x.shape == (60, 1)
+
+
+def test_other_containers_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "tone.wav"  # the name does not make it a WAV
+    sf.write(str(path), np.zeros(100, np.float32), 16000, format="AIFF")
+    with pytest.raises(AudioFileError, match="not a WAV file"):
         audio.read_wav(path)
 
 
 def test_missing_wav_is_an_audio_file_error(tmp_path: Path) -> None:
-    with pytest.raises(AudioFileError):
+    with pytest.raises(AudioFileError, match="No such file"):
         audio.read_wav(tmp_path / "missing.wav")
