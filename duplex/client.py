@@ -130,7 +130,7 @@ def turn_detection(
 
 
 def load_wav_as(path: str | Path, fmt: PcmFormat) -> bytes:
-    """Read a WAV file (any rate, 8-32 bit, any channel count) as PCM bytes in ``fmt``.
+    """Read a WAV file (any rate, integer or float PCM, any channel count) as PCM bytes in ``fmt``.
 
     Channels are averaged to mono and then resampled, so a 44.1 kHz stereo file becomes
     what a 16 kHz mono session expects. Raises ``duplex.audio.AudioFileError`` (a missing
@@ -684,6 +684,7 @@ class Session:
             for chunk in chunks:
                 pending += converter.convert(chunk)
                 await flush(False)
+        pending += converter.flush()  # what the resampler still holds: the input's last few ms
         await flush(True)
         return sent_ms
 

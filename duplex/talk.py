@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  duplex talk examples/hello.wav -o reply.wav"
         ),
     )
-    p.add_argument("input", type=Path, help="WAV file (any rate, 8-32 bit, mono or stereo)")
+    p.add_argument("input", type=Path, help="WAV file (any rate, integer or float PCM, any channels)")
     p.add_argument("-o", "--out", type=Path, help="reply WAV (default: INPUT with .reply.wav)")
     p.add_argument(
         "--target",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from duplex.stack import LocalStack, example_path
 pytestmark = pytest.mark.process
 
 HELLO = example_path("hello.wav")
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,30 @@ def test_talk_any_format(stack, tmp_path, capsys, rate, channels):
     reply, reply_rate = read_wav(out)
     assert reply_rate == 16000 and reply.shape[1] == 1
     assert len(reply) / reply_rate > 2.0  # "Hello! This is a full duplex speech demo." comes back
+
+
+@pytest.mark.parametrize(
+    ("name", "header"),
+    [
+        ("speech_03_f32_48k.wav", "48000 Hz, 1 ch, 0.85 s"),  # 32-bit IEEE float
+        ("speech_05_s24_ext_22k_stereo.wav", "22050 Hz, 2 ch, 0.92 s"),  # 24-bit WAVE_FORMAT_EXTENSIBLE
+    ],
+)
+def test_talk_reads_float_and_extensible_wavs(stack, tmp_path, capsys, name, header):
+    """Files the stdlib ``wave`` refused (made with sox, see tests/fixtures/make_format_fixtures.sh)."""
+    out = tmp_path / "reply.wav"
+    code = talk.main(
+        [str(FIXTURES / name), "-o", str(out), "--target", stack.target, "--fast", "--timeout", "30"]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert f"{name}: {header} -> {stack.target}" in captured.err  # read as what it is
+    for line in ("speech started", "speech stopped", "committed", "response done", "completed"):
+        assert line in captured.out, captured.out
+    reply, reply_rate = read_wav(out)
+    assert reply_rate == 16000 and reply.shape[1] == 1
+    # The parrot plays the utterance back (pitch-shifted): about as long as the speech in it.
+    assert 0.6 < len(reply) / reply_rate < 1.2
 
 
 def test_talk_barge_in_truncates_reply(stack, tmp_path, capsys):
