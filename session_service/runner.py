@@ -592,6 +592,9 @@ class SessionRunner:
         resp = self._end_response()
         if resp is None:
             return
+        if status == COMPLETED:
+            for ev in self._plugin.data_plane.end_response(resp.proj):
+                self.emitter.emit_output(ev, resp.epoch)
         self.emitter.emit("response_done", resp.done(status, reason))
         if status == COMPLETED:
             self._plugin.commit_model_context(

@@ -16,6 +16,7 @@ from duplex.v1 import common_pb2, worker_pb2
 from session_service.placement import rendezvous_pick, rendezvous_rank
 from session_service.plugin import (
     FramePacketizer,
+    PcmDataPlane,
     PluginLoadError,
     check_worker,
     load_plugin,
@@ -223,6 +224,42 @@ def test_buffer_flush_pads_to_one_frame() -> None:
     assert len(res.frames) == FRAME and res.frames[:200] == b"\x01\x00" * 100 and not any(res.frames[200:])
     res.commit()
     assert buf.pending_byte_count == 0
+
+
+def test_buffer_flush_ends_the_resampled_stream() -> None:
+    """The resampler holds back the end of the input: a commit must still hand all of it on."""
+    src = PcmFormat(F32LE, 48000, 2)
+    x = (0.5 * np.sin(np.linspace(0, 300, 4800))).astype(np.float32)  # 100 ms
+    buf = FramePacketizer(src, PCM16K_MONO, 512)
+    res = buf.reserve_append(encode(np.stack([x, x], axis=1), src))
+    appended = len(res.frames)
+    res.commit()
+    held = appended + buf.pending_byte_count
+    assert held < 1600 * 2  # 100 ms at 16 kHz is 1600 samples; some are still in the resampler
+    flush = buf.reserve_flush()
+    flush.commit()
+    total = appended + len(flush.frames)
+    assert total == -(-1600 // 512) * FRAME  # all of it, padded to whole frames
+    assert buf.pending_byte_count == 0
+
+
+def test_data_plane_hands_on_the_reply_tail_when_the_response_completes() -> None:
+    plane = PcmDataPlane()
+    out_fmt = PcmFormat(S16LE, 48000, 1)
+    proj = plane.begin_response(
+        response_id="r", turn_id=1, epoch=1, worker_format=PCM16K_MONO, output_format=out_fmt
+    )
+    frame = encode((0.3 * np.sin(np.linspace(0, 60, 512))).astype(np.float32), PCM16K_MONO)
+    pcm = b"".join(
+        ev.audio_delta.pcm
+        for _ in range(10)
+        for ev in plane.project_audio(proj, common_pb2.AudioPayload(pcm=frame))
+    )
+    assert len(pcm) < 10 * 512 * 3 * 2  # 48 kHz: 3 samples per input sample, some held back
+    (tail,) = plane.end_response(proj)
+    assert tail.audio_delta.offset_ms == len(pcm) // 2 * 1000 // 48000
+    assert len(pcm) + len(tail.audio_delta.pcm) == 10 * 512 * 3 * 2
+    assert proj.samples_out == 10 * 512 * 3
 
 
 # ---- placement and tokens -------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat
 from duplex.errors import DuplexError, ErrorCode
-from duplex.v1 import session_pb2
+from duplex.v1 import session_pb2, worker_pb2
 from session_service import resume
 from session_service.config import ServiceConfig
 from session_service.plugin import SessionSettings, TurnDetection
@@ -139,16 +139,20 @@ async def test_takeover_on_another_replica_restores_settings_and_extra_body() ->
     assert opened.config == EXPECTED.to_proto() and opened.resume_token == taken.resume_token
 
     # Raw 48 kHz f32 stereo without a per-append format is read as such: 3072 samples at
-    # 48 kHz are 1024 at 16 kHz, two 512-sample worker frames (misread as 16 kHz s16 mono: 24).
+    # 48 kHz are 1024 at 16 kHz, two 512-sample worker frames once the commit flushes the
+    # resampler (misread as 16 kHz s16 mono they would be 24 frames).
     pcm = b"\x00\x00\x80\x3e" * 2 * 3072
     await taken.post(session_pb2.ClientEvent(append=session_pb2.InputAudioAppend(seq=1, pcm=pcm)))
+    await taken.post(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
     await settle()
-    (sub,) = placer_b.link.subs
-    assert len(sub.pcm) == 2 * 512 * PCM16K_MONO.frame_bytes
-    params = dict(sub.params)
+    subs = placer_b.link.subs
+    appends = [sub for sub in subs if sub.kind == worker_pb2.SUBMISSION_KIND_APPEND]
+    assert sum(len(sub.pcm) for sub in appends) == 2 * 512 * PCM16K_MONO.frame_bytes
+    assert subs[-1].kind == worker_pb2.SUBMISSION_KIND_COMMIT
+    params = dict(subs[0].params)
     assert params["pitch_semitones"] == 7.0 and params["auto_commit"] is False
     assert params["silence_ms"] == 700  # from turn detection, as on the first replica
-    assert [e.WhichOneof("event") for e in events(taken)] == ["input_ack"]
+    assert [e.WhichOneof("event") for e in events(taken)] == ["input_ack", "committed"]
     await close_all(a, b)
 
 

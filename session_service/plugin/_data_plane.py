@@ -49,6 +49,12 @@ class DataPlane(ABC):
     @abstractmethod
     def project_text(self, proj: ResponseProjection, text: str) -> list[session_pb2.ServerEvent]: ...
 
+    def end_response(self, proj: ResponseProjection) -> list[session_pb2.ServerEvent]:
+        """The last output of a response that completed (what a converter still holds); a
+        cancelled or failed response is not asked. Default: nothing."""
+        del proj
+        return []
+
 
 class PcmDataPlane(DataPlane):
     """Audio deltas in the session's output format; text as assistant transcript."""
@@ -71,7 +77,14 @@ class PcmDataPlane(DataPlane):
     ) -> list[session_pb2.ServerEvent]:
         if payload.HasField("format") and PcmFormat.from_proto(payload.format) != proj.converter.src:
             raise BadEventError(ErrorCode.MODEL_ERROR, "worker audio in an unexpected format")
-        pcm = proj.converter.convert(payload.pcm)
+        return self._delta(proj, proj.converter.convert(payload.pcm))
+
+    def end_response(self, proj: ResponseProjection) -> list[session_pb2.ServerEvent]:
+        # A resampling converter holds back the reply's last tens of milliseconds.
+        return self._delta(proj, proj.converter.flush())
+
+    @staticmethod
+    def _delta(proj: ResponseProjection, pcm: bytes) -> list[session_pb2.ServerEvent]:
         if not pcm:
             return []
         offset_ms = proj.audio_ms

@@ -59,7 +59,8 @@ class PcmAppendBuffer(ABC):
 
     @abstractmethod
     def reserve_flush(self) -> AppendReservation:
-        """Reserve the remainder padded with silence to one whole frame (for a commit)."""
+        """Reserve everything held back (the converter's tail included) padded with silence to
+        whole frames (for a commit: the end of the user's input)."""
 
 
 class _FrameReservation(AppendReservation):
@@ -88,8 +89,7 @@ class _FrameReservation(AppendReservation):
 
     def rollback(self) -> None:
         self._settle()
-        if self._byte_count:  # it went through the converter: start that afresh
-            self._buffer._reset_converter()
+        self._buffer._converter.reset()
 
     def _settle(self) -> None:
         if not self._active:
@@ -101,11 +101,11 @@ class _FrameReservation(AppendReservation):
 class FramePacketizer(PcmAppendBuffer):
     """Converts client PCM to the worker format and cuts it into whole frames, keeping the rest.
 
-    The held-back remainder changes only when a reservation commits. A rollback of one that
-    went through the converter starts the converter afresh instead of restoring a copy of it: copying the
-    resampler's state on every append would cost more than the append itself, and a failed
-    write abandons the session's input until commit, clear or cancel anyway, so the few
-    milliseconds of resampler history it loses are never heard.
+    The held-back remainder changes only when a reservation commits. A rollback starts the
+    converter afresh instead of restoring a copy of it: copying the resampler's state on every
+    append would cost more than the append itself, and a failed write abandons the session's
+    input until commit, clear or cancel anyway, so the resampler history it loses (tens of
+    milliseconds) is never heard.
     """
 
     def __init__(self, client_format: PcmFormat, worker_format: PcmFormat, frame_samples: int) -> None:
@@ -126,7 +126,7 @@ class FramePacketizer(PcmAppendBuffer):
     def clear(self) -> None:
         self._check_free()
         self._remainder = b""
-        self._reset_converter()
+        self._converter.reset()
 
     def reserve_append(self, pcm: bytes) -> AppendReservation:
         self._check_free()
@@ -136,9 +136,11 @@ class FramePacketizer(PcmAppendBuffer):
 
     def reserve_flush(self) -> AppendReservation:
         self._check_free()
-        frames = self._remainder
-        if frames:
-            frames += b"\x00" * (self.frame_bytes - len(frames))
+        # The resampler holds back the last tens of milliseconds of input (libsoxr works in
+        # blocks): they belong to this turn, so the commit ends the stream.
+        frames = self._remainder + self._converter.flush()
+        if len(frames) % self.frame_bytes:
+            frames += b"\x00" * (self.frame_bytes - len(frames) % self.frame_bytes)
         return self._open(_FrameReservation(self, frames, 0, b""))
 
     def _open(self, res: _FrameReservation) -> AppendReservation:
@@ -155,5 +157,3 @@ class FramePacketizer(PcmAppendBuffer):
             raise RuntimeError("not the open reservation")
         self._reserved = None
 
-    def _reset_converter(self) -> None:
-        self._converter = StreamConverter(self.client_format, self.worker_format)
