@@ -156,4 +156,3 @@ class FramePacketizer(PcmAppendBuffer):
         if res is not self._reserved:
             raise RuntimeError("not the open reservation")
         self._reserved = None
-
