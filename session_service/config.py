@@ -47,7 +47,7 @@ class ServiceConfig:
     metrics_host: str = "127.0.0.1"
     """Host of the Prometheus ``/metrics`` endpoint."""
     metrics_port: int = 9464
-    """Port of the ``/metrics`` endpoint; 0 picks a free port."""
+    """Port of the ``/metrics`` endpoint; 0 picks a free port, -1 serves none (in-process tests)."""
     max_sessions: int = 256
     """Most concurrent sessions this replica accepts (RESOURCE_EXHAUSTED beyond)."""
     resume_max_age_s: float = DEFAULT_MAX_AGE_S

@@ -1,4 +1,9 @@
-"""The session service process: gRPC server, worker links, health, metrics, drain on SIGTERM."""
+"""The session service's lifecycle: bind, link to the workers, serve, drain, stop.
+
+``SessionServer`` is the whole service in one object (like ``worker_service.server.WorkerServer``),
+so a test or an embedding program runs it in its own event loop; ``serve`` adds what only a
+process needs: the one-line "listening" announcement and SIGTERM/SIGINT.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,21 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 
-from duplex.serving import Health, add_reflection, bind, serve_metrics, server_options, split_host_port
+from duplex.clock import MONOTONIC, Clock
+from duplex.serving import (
+    Health,
+    MetricsServer,
+    add_reflection,
+    bind,
+    serve_metrics,
+    server_options,
+    split_host_port,
+)
 from duplex.v1 import session_pb2_grpc
 from session_service.config import ServiceConfig
 from session_service.placement import WorkerPool
@@ -26,84 +42,132 @@ def _announce_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
+class SessionServer:
+    """One session-service replica: gRPC server, worker links, health, reflection, /metrics."""
+
+    def __init__(self, config: ServiceConfig, plugin: DuplexModelPlugin, *, clock: Clock = MONOTONIC) -> None:
+        self.config = config
+        self.plugin = plugin
+        self.registry = SessionRegistry()
+        self.router = Router(self.registry)
+        self.pool = WorkerPool(
+            config.workers,
+            owner=config.replica_id,
+            plugin=plugin,
+            on_step=self.router.on_step,
+            on_lost=self.router.on_link_lost,
+            attach_timeout_s=config.attach_timeout_s,
+            backoff_max_s=config.worker_backoff_max_s,
+            stall_timeout_s=config.worker_stall_timeout_s,
+        )
+        self.manager = SessionManager(
+            plugin=plugin,
+            config=config,
+            registry=self.registry,
+            placer=self.pool.place,
+            resume_max_age_s=config.resume_max_age_s,
+            clock=clock,
+        )
+        self.port = 0
+        self.metrics: MetricsServer | None = None
+        self.draining = False
+        self._server: grpc.aio.Server | None = None
+        self._health: Health | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` clients reach it at (the bound port when port 0 was asked for)."""
+        host, _ = split_host_port(self.config.listen)
+        return f"{_announce_host(host)}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and serve (health NOT_SERVING until a worker of the plugin's model is reachable)."""
+        # One client event is at most an append of max_append_bytes (plus its envelope) or a small
+        # config; anything bigger is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
+        server = self._server = grpc.aio.server(
+            options=server_options(max_receive_bytes=self.plugin.max_append_bytes + 64 * 1024)
+        )
+        session_pb2_grpc.add_DuplexSessionServicer_to_server(
+            DuplexSessionServicer(self.manager, open_timeout_s=self.config.open_timeout_s), server
+        )
+        health = self._health = Health(server, [SERVICE_NAME])
+        add_reflection(server, [SERVICE_NAME])
+        self.port = bind(server, self.config.listen)
+        if self.config.metrics_port >= 0:
+            self.metrics = serve_metrics(self.config.metrics_host, self.config.metrics_port)
+        await server.start()
+        await health.set(False)
+        self.pool.health_listeners.append(self._workers_changed)
+        self.pool.start()
+        log.info(
+            "session service %s: plugin %s, workers %s",
+            self.config.replica_id,
+            self.plugin.plugin_id,
+            ",".join(self.config.workers),
+        )
+
+    async def wait_ready(self, within_s: float) -> bool:
+        """Whether a worker of the plugin's model became reachable within ``within_s``."""
+        return await self.pool.wait_ready(within_s)
+
+    def _workers_changed(self, ok: bool) -> None:
+        # SERVING only with a reachable worker of the plugin's model, and never while draining.
+        if self._health is not None:
+            self._spawn(self._health.set(ok and not self.draining))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """NOT_SERVING, ``go_away`` to every client, let in-flight responses finish (up to
+        ``drain_grace_s``), then close every session."""
+        if self.draining:
+            return
+        log.info("draining")
+        self.draining = True
+        if self._health is not None:
+            await self._health.set(False)
+        try:
+            await self.manager.drain(self.config.drain_grace_s)
+        except Exception:
+            log.exception("drain failed")
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Drain, then stop the server, the worker links and /metrics."""
+        await self.drain()
+        if self._server is not None:
+            await self._server.stop(grace)
+        await self.pool.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self.metrics is not None:
+            self.metrics.stop()
+
+
 async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
     """Run until SIGTERM/SIGINT, then drain; returns the exit code."""
-    registry = SessionRegistry()
-    router = Router(registry)
-    pool = WorkerPool(
-        cfg.workers,
-        owner=cfg.replica_id,
-        plugin=plugin,
-        on_step=router.on_step,
-        on_lost=router.on_link_lost,
-        attach_timeout_s=cfg.attach_timeout_s,
-        backoff_max_s=cfg.worker_backoff_max_s,
-        stall_timeout_s=cfg.worker_stall_timeout_s,
-    )
-    manager = SessionManager(
-        plugin=plugin,
-        config=cfg,
-        registry=registry,
-        placer=pool.place,
-        resume_max_age_s=cfg.resume_max_age_s,
-    )
-
-    # One client event is at most an append of max_append_bytes (plus its envelope) or a small
-    # config; anything bigger is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
-    server = grpc.aio.server(options=server_options(max_receive_bytes=plugin.max_append_bytes + 64 * 1024))
-    session_pb2_grpc.add_DuplexSessionServicer_to_server(
-        DuplexSessionServicer(manager, open_timeout_s=cfg.open_timeout_s), server
-    )
-    health = Health(server, [SERVICE_NAME])
-    add_reflection(server, [SERVICE_NAME])
-    host, _ = split_host_port(cfg.listen)
-    port = bind(server, cfg.listen)
-    metrics = serve_metrics(cfg.metrics_host, cfg.metrics_port)
+    server = SessionServer(cfg, plugin)
     await server.start()
-    await health.set(False)
-
-    draining = False
-    health_tasks: set[asyncio.Task[None]] = set()
-
-    def on_workers(ok: bool) -> None:
-        # SERVING only with a reachable worker of the plugin's model, and never while draining.
-        task = asyncio.create_task(health.set(ok and not draining))
-        health_tasks.add(task)
-        task.add_done_callback(health_tasks.discard)
-
-    pool.health_listeners.append(on_workers)
-    pool.start()
-
+    metrics_port = server.metrics.port if server.metrics is not None else 0
     print(
         json.dumps(
             {
                 "event": "listening",
-                "grpc": f"{_announce_host(host)}:{port}",
-                "metrics": f"{_announce_host(cfg.metrics_host)}:{metrics.port}",
+                "grpc": server.address,
+                "metrics": f"{_announce_host(cfg.metrics_host)}:{metrics_port}",
             }
         ),
         flush=True,
     )
-    log.info(
-        "session service %s: plugin %s, workers %s", cfg.replica_id, plugin.plugin_id, ",".join(cfg.workers)
-    )
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-
-    log.info("draining")
-    draining = True
-    await health.set(False)
-    try:
-        await manager.drain(cfg.drain_grace_s)
-    except Exception:
-        log.exception("drain failed")
-    await server.stop(grace=2.0)
-    await pool.close()
-    metrics.stop()
+    await server.stop()
     return 0
 
 

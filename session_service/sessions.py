@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
+from duplex.clock import MONOTONIC, Clock
 from duplex.errors import (
     BadRequestError,
     CapacityError,
@@ -65,14 +66,17 @@ class SessionManager:
         registry: SessionRegistry,
         placer: Placer,
         resume_max_age_s: float = DEFAULT_MAX_AGE_S,
-        clock: Callable[[], float] = time.time,
+        wall_clock: Callable[[], float] = time.time,
+        clock: Clock = MONOTONIC,
     ) -> None:
+        """``wall_clock``: Unix time, for resume tokens' issue times; ``clock``: the runners'."""
         self._plugin = plugin
         self._cfg = config
         self._registry = registry
         self._placer = placer
         self._secret = config.resume_secret
         self._max_age_s = resume_max_age_s
+        self._wall_clock = wall_clock
         self._clock = clock
         self.capabilities = plugin.capabilities(max_sessions=config.max_sessions)
         self.draining = False
@@ -91,6 +95,7 @@ class SessionManager:
             config=self._cfg.runner,
             placer=self._placer,
             on_closed=self._on_closed,
+            clock=self._clock,
         )
 
     def _on_closed(self, runner: SessionRunner) -> None:
@@ -128,7 +133,7 @@ class SessionManager:
             session_id=session_id,
             runtime_config=runtime,
             client_extra=client_extra,
-            now=self._clock(),
+            now=self._wall_clock(),
         )
 
     def _current_token(self, claims: ResumeClaims, token: str) -> str:
@@ -140,7 +145,7 @@ class SessionManager:
                 token,
                 session_id=claims.session_id,
                 max_age_s=self._max_age_s / 2,
-                now=self._clock(),
+                now=self._wall_clock(),
             )
         except InvalidResumeTokenError:
             held = None
@@ -221,7 +226,7 @@ class SessionManager:
             msg.resume_token,
             session_id=msg.session_id,
             max_age_s=self._max_age_s,
-            now=self._clock(),
+            now=self._wall_clock(),
         )
         async with self._session_lock(msg.session_id):
             runner = self._registry.get(msg.session_id)

@@ -67,7 +67,7 @@ def replica(
         config=cfg,
         registry=SessionRegistry(),
         placer=placer,
-        clock=clock or Clock(),
+        wall_clock=clock or Clock(),
         **kw,  # type: ignore[arg-type]
     )
     return manager, placer
