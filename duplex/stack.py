@@ -106,6 +106,8 @@ class LocalStack:
     log: IO[str] | int | None = None
     session: Child | None = field(default=None, init=False)
     worker_children: list[Child] = field(default_factory=list, init=False)
+    started_pids: list[int] = field(default_factory=list, init=False)
+    """Every child process this stack started, kept after ``stop`` (to check none is left)."""
 
     @property
     def children(self) -> list[Child]:
@@ -131,6 +133,7 @@ class LocalStack:
             preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
         child = Child(name, proc)
+        self.started_pids.append(proc.pid)
         if name == "session":
             self.session = child
         else:

@@ -2,8 +2,9 @@
 
 Every replica computes the same owner for a session from the session id and the healthy
 worker set alone, so no shared state is needed; removing a worker moves only its sessions.
-``WorkerPool`` holds the links (``session_service.worker_link``) and attaches a session on its
-rendezvous choice, the next one when a worker does not answer.
+``WorkerPool`` holds the links (``session_service.worker_link`` in the service; anything that
+is a ``PlacementLink`` in a test) and attaches a session on its rendezvous choice, the next one
+when a worker does not answer.
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
 from duplex.errors import DuplexError, ErrorCode, UnavailableError
-from duplex.v1 import worker_pb2
 from session_service.metrics import WORKERS_HEALTHY
-from session_service.plugin import DuplexModelPlugin
-from session_service.worker_link import DEFAULT_STALL_TIMEOUT_S, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -50,37 +49,40 @@ def rendezvous_pick(key: str, nodes: Iterable[str]) -> str | None:
     return best
 
 
-class WorkerPool:
+class PlacementLink(Protocol):
+    """What placement needs of a worker link (``WorkerLink`` is one)."""
+
+    address: str
+    generation: int
+    """Counts the link's Run streams: an Attach made under one is not held by the next."""
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def attach(self, session_id: str, epoch: int, *, takeover: bool, deadline_s: float) -> int: ...
+
+
+L = TypeVar("L", bound=PlacementLink)
+
+#: Builds the link of one worker address; it must call ``on_health`` whenever it turns healthy
+#: or unhealthy.
+LinkFactory = Callable[[str, Callable[[], None]], L]
+
+
+class WorkerPool(Generic[L]):
     """Every configured worker; places sessions by rendezvous hashing over the healthy ones."""
 
     def __init__(
-        self,
-        addresses: Sequence[str],
-        *,
-        owner: str,
-        plugin: DuplexModelPlugin,
-        on_step: Callable[[WorkerLink, worker_pb2.StepOutput], None],
-        on_lost: Callable[[WorkerLink], None],
-        attach_timeout_s: float = 5.0,
-        backoff_max_s: float = 5.0,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        self, addresses: Sequence[str], *, link_factory: LinkFactory[L], attach_timeout_s: float = 5.0
     ) -> None:
-        """``stall_timeout_s``: see ``WorkerLink`` (0 turns the stall check off)."""
-        self.owner = owner
         self._attach_timeout_s = attach_timeout_s
         self._ready = asyncio.Event()
-        self.links: dict[str, WorkerLink] = {
-            addr: WorkerLink(
-                addr,
-                owner=owner,
-                plugin=plugin,
-                on_step=on_step,
-                on_lost=on_lost,
-                on_health=self._health_changed,
-                backoff_max_s=backoff_max_s,
-                stall_timeout_s=stall_timeout_s,
-            )
-            for addr in dict.fromkeys(addresses)
+        self.links: dict[str, L] = {
+            addr: link_factory(addr, self._health_changed) for addr in dict.fromkeys(addresses)
         }
         self.health_listeners: list[Callable[[bool], None]] = []
 
@@ -91,7 +93,7 @@ class WorkerPool:
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links.values()))
 
-    def healthy(self) -> list[WorkerLink]:
+    def healthy(self) -> list[L]:
         return [link for link in self.links.values() if link.healthy]
 
     @property
@@ -114,18 +116,18 @@ class WorkerPool:
         for listener in self.health_listeners:
             listener(n > 0)
 
-    def rank(self, session_id: str) -> list[WorkerLink]:
+    def rank(self, session_id: str) -> list[L]:
         """The healthy links in the session's rendezvous order (best first)."""
         healthy = {link.address: link for link in self.healthy()}
         return [healthy[addr] for addr in rendezvous_rank(session_id, healthy)]
 
-    def pick(self, session_id: str) -> WorkerLink:
+    def pick(self, session_id: str) -> L:
         ranked = self.rank(session_id)
         if not ranked:
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "no worker of the model is reachable")
         return ranked[0]
 
-    async def place(self, session_id: str, epoch: int, takeover: bool) -> tuple[WorkerLink, int]:
+    async def place(self, session_id: str, epoch: int, takeover: bool) -> tuple[L, int]:
         """Attach the session on its rendezvous choice among the healthy workers; returns the
         link and the granted epoch.
 

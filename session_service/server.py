@@ -12,7 +12,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -34,6 +34,7 @@ from session_service.plugin import DuplexModelPlugin
 from session_service.routing import Router, SessionRegistry
 from session_service.servicer import SERVICE_NAME, DuplexSessionServicer
 from session_service.sessions import SessionManager
+from session_service.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +51,8 @@ class SessionServer:
         self.plugin = plugin
         self.registry = SessionRegistry()
         self.router = Router(self.registry)
-        self.pool = WorkerPool(
-            config.workers,
-            owner=config.replica_id,
-            plugin=plugin,
-            on_step=self.router.on_step,
-            on_lost=self.router.on_link_lost,
-            attach_timeout_s=config.attach_timeout_s,
-            backoff_max_s=config.worker_backoff_max_s,
-            stall_timeout_s=config.worker_stall_timeout_s,
+        self.pool: WorkerPool[WorkerLink] = WorkerPool(
+            config.workers, link_factory=self._link, attach_timeout_s=config.attach_timeout_s
         )
         self.manager = SessionManager(
             plugin=plugin,
@@ -74,6 +68,18 @@ class SessionServer:
         self._server: grpc.aio.Server | None = None
         self._health: Health | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _link(self, address: str, on_health: Callable[[], None]) -> WorkerLink:
+        return WorkerLink(
+            address,
+            owner=self.config.replica_id,
+            plugin=self.plugin,
+            on_step=self.router.on_step,
+            on_lost=self.router.on_link_lost,
+            on_health=on_health,
+            backoff_max_s=self.config.worker_backoff_max_s,
+            stall_timeout_s=self.config.worker_stall_timeout_s,
+        )
 
     @property
     def address(self) -> str:

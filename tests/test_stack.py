@@ -100,21 +100,12 @@ def test_children_die_with_a_killed_up():
         kill_all(pids)
 
 
-def test_local_stack_fails_cleanly_on_a_bad_plugin(monkeypatch):
-    pids: list[int] = []
-    spawn = LocalStack._spawn
-
-    def recording_spawn(self, name, args):
-        child = spawn(self, name, args)
-        pids.append(child.pid)
-        return child
-
-    monkeypatch.setattr(LocalStack, "_spawn", recording_spawn)
+def test_local_stack_fails_cleanly_on_a_bad_plugin():
     stack = LocalStack(plugin="no.such.module:Plugin", startup_timeout_s=30)
     with pytest.raises(StackError):
         stack.start()
-    assert len(pids) == 2 and stack.children == []
-    assert wait_gone(pids, 5) == []
+    assert len(stack.started_pids) == 2 and stack.children == []
+    assert wait_gone(stack.started_pids, 5) == []
 
 
 def test_demo_end_to_end(tmp_path, capsys):

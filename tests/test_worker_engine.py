@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 
 from duplex.audio import PCM16K_MONO
 from duplex.fence import Fence
-from duplex.sparse import FAIL_CLOSED_TOTAL
 from tests.worker_helpers import APPEND, COMMIT, FRAME, RESPOND, RunClient, error_codes, pcm, sub, worker
 from worker_service.engine import Engine, Enqueue, OwnerStep, QueueCounter, Work
 from worker_service.model import RequestNews, StepBatch, StepModel, StepResult
@@ -118,7 +118,7 @@ def test_round_robin_beyond_max_batch() -> None:
 
 
 async def test_model_error_is_per_request_and_bad_legacy_output_fails_closed() -> None:
-    before = FAIL_CLOSED_TOTAL.labels(cause="illegal_marker")._value.get()
+    before = _fail_closed("illegal_marker")
     async with worker(model_factory=lambda device: FakeModel("bad_marker")) as (_, stub):
         run = RunClient(stub, "o1")
         from duplex.v1 import worker_pb2
@@ -139,7 +139,7 @@ async def test_model_error_is_per_request_and_bad_legacy_output_fails_closed() -
         assert not any(m.outputs.audio for m in msgs)
         assert sum(1 for m in msgs for e in m.batch if e.request_id == "rg") >= 3
         run.close()
-    assert FAIL_CLOSED_TOTAL.labels(cause="illegal_marker")._value.get() >= before + 3
+    assert _fail_closed("illegal_marker") >= before + 3
 
 
 async def test_engine_crash_ends_streams_with_internal_and_stops_serving() -> None:
@@ -177,3 +177,7 @@ async def test_synthetic_model_replies_sparsely() -> None:
         assert all(len(m.outputs.audio[0].pcm) == 2 * FRAME for m in with_audio)
         assert len(stepped) > len(with_audio)  # every other step of the reply is silent
         run.close()
+
+
+def _fail_closed(cause: str) -> float:
+    return REGISTRY.get_sample_value("duplex_sparse_fail_closed_total", {"cause": cause}) or 0.0

@@ -204,7 +204,7 @@ def test_vad_on_cuda_matches_cpu(model: ParrotModel) -> None:
         a = model.vad(np.array([s.slot for s in cpu_states]), signals)
         b = gpu.vad(np.array([s.slot for s in gpu_states]), signals)
         np.testing.assert_allclose(a, b, atol=1e-3)
-    assert gpu._state.device.type == "cuda"
+    assert gpu.state_device.type == "cuda"
 
 
 def test_a_failed_reply_fails_its_request_only(model: ParrotModel, monkeypatch: pytest.MonkeyPatch) -> None:

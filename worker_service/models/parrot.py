@@ -187,6 +187,12 @@ class ParrotModel(StepModel[ParrotState]):
 
     # -- state ---------------------------------------------------------------------------------
 
+    @property
+    def state_device(self) -> torch.device:
+        """Where the batched VAD state lives: the model's device, so a step makes no host round
+        trip for it."""
+        return self._state.device
+
     def _grow(self, capacity: int) -> None:
         extra = capacity - self._capacity
         self._state = torch.cat([self._state, torch.zeros(2, extra, 128, device=self.device)], dim=1)
