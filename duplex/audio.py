@@ -8,7 +8,7 @@ libsoxr's (``soxr``), WAV files are libsndfile's (``soundfile``). Samples are fl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
 
@@ -45,15 +45,16 @@ class PcmFormat:
     """Samples per second per channel."""
     channels: int
     """Interleaved channels."""
+    sample_bytes: int = field(init=False, repr=False, compare=False)
+    """Bytes of one sample of one channel."""
+    frame_bytes: int = field(init=False, repr=False, compare=False)
+    """Bytes of one sample for every channel."""
 
-    @property
-    def sample_bytes(self) -> int:
-        return _SAMPLE_BYTES[self.encoding]
-
-    @property
-    def frame_bytes(self) -> int:
-        """Bytes of one sample for every channel."""
-        return self.sample_bytes * self.channels
+    def __post_init__(self) -> None:
+        # Derived once: both are read on every append and every reply frame.
+        sample_bytes = _SAMPLE_BYTES.get(self.encoding, 0)
+        object.__setattr__(self, "sample_bytes", sample_bytes)
+        object.__setattr__(self, "frame_bytes", sample_bytes * self.channels)
 
     def bytes_for_ms(self, ms: float) -> int:
         return round(self.sample_rate_hz * ms / 1000.0) * self.frame_bytes

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from duplex.v1 import session_pb2
 from session_service.metrics import DROPPED, EVENTS_OUT
-from session_service.worker_output import DropReason, output_is_stale
+from session_service.worker_output import DropReason
 
 
 @dataclass(slots=True)
@@ -114,7 +114,7 @@ class Outbound:
         while self._items:
             item = self._items.popleft()
             self._bytes -= item.size
-            if item.epoch is not None and output_is_stale(item.epoch, self._current_epoch()):
+            if item.epoch is not None and item.epoch < self._current_epoch():  # its epoch was left
                 DROPPED[DropReason.STALE_EPOCH].inc()
                 continue
             EVENTS_OUT[item.event.WhichOneof("event") or "none"].inc()

@@ -177,7 +177,7 @@ class SessionRunner:
 
     async def post(self, event: session_pb2.ClientEvent, received: float | None = None) -> None:
         """Queue a client event (waits while the mailbox is full: backpressure to the client)."""
-        if self.closed:
+        if self.status is SessionStatus.CLOSED:
             return
         now = self._last_client = self._clock.now()
         item = _Inbound(event, received if received is not None else now)
@@ -318,7 +318,12 @@ class SessionRunner:
 
     async def _on_append(self, ap: session_pb2.InputAudioAppend, received: float) -> None:
         self._check_append(ap)
-        self._accept_seq(ap.seq)
+        if self.seq_status is SeqStatus.RESTART_ALLOWED and ap.seq == 1:
+            # The client saw audio_cancelled and restarted; appends it sent before are behind us.
+            self.seq_status = SeqStatus.IN_EPOCH
+            self._last_seq = 0
+        if ap.seq <= self._last_seq:
+            raise BadEventError(ErrorCode.SEQ_OUT_OF_ORDER, f"seq {ap.seq} after {self._last_seq}")
         if self.input_status is InputStatus.ABANDONED:
             raise BadEventError(
                 ErrorCode.INPUT_ABANDONED,
@@ -326,7 +331,9 @@ class SessionRunner:
                 retryable=True,
             )
         self._last_seq = ap.seq
-        link = await self._bound_link()
+        link = self.link
+        if link is None or not link.healthy:
+            link = await self._bound_link()
         fence = self._fence()
         res = self.state.audio_buffer.reserve_append(ap.pcm)
         frames = res.frames
@@ -345,7 +352,8 @@ class SessionRunner:
                     raise
                 if self.epoch == fence.epoch:
                     self._worker_seq = wseq
-                    self._handed_on(link, wseq, len(frames) // self._frame_bytes)
+                    if self.link is link:  # else its worker is gone, and the input with it
+                        self.acks.handed_on(wseq, len(frames) // self._frame_bytes)
         except BaseException:
             res.rollback()
             if self.link is link:  # a write lost with its worker leaves no hole: that input is gone too
@@ -378,14 +386,6 @@ class SessionRunner:
                 f"{len(ap.pcm)} bytes is not a positive whole number of {fmt.frame_bytes}-byte frames "
                 f"for {fmt}",
             )
-
-    def _accept_seq(self, seq: int) -> None:
-        if self.seq_status is SeqStatus.RESTART_ALLOWED and seq == 1:
-            # The client saw audio_cancelled and restarted; appends it sent before are behind us.
-            self.seq_status = SeqStatus.IN_EPOCH
-            self._last_seq = 0
-        if seq <= self._last_seq:
-            raise BadEventError(ErrorCode.SEQ_OUT_OF_ORDER, f"seq {seq} after {self._last_seq}")
 
     async def _on_commit(self, received: float) -> None:
         link = await self._bound_link()
@@ -685,12 +685,6 @@ class SessionRunner:
         except Exception:
             log.exception("session %s: worker output failed", self.session_id)
             self._error(InternalError(ErrorCode.INTERNAL, "internal error"))
-
-    def consumed(self, worker_seq: int) -> None:
-        self.emitter.acks(self.acks.consumed(worker_seq))
-
-    def input_rejected(self) -> None:
-        self.emitter.acks(self.acks.reset())
 
     def fenced(self) -> None:
         self._error(BadEventError(ErrorCode.FENCED, "the session was taken over elsewhere"))

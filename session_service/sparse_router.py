@@ -55,13 +55,9 @@ def route_step(step: worker_pb2.StepOutput, *, reporter: FailClosedReporter | No
         # Dense by definition: the sparse fields are not even read.
         return RoutedStep(_NO_PAYLOADS, batch_ids, sparse=False, failed_closed=None)
     try:
-        return _route_audio(outputs, batch_ids)
+        payloads = typed_audio_payloads(outputs, batch_ids)
     except InvalidSparseDeclaration as err:
         record_fail_closed(err, site=_SITE, reporter=reporter)
         return RoutedStep(_NO_PAYLOADS, (), sparse=outputs.sparse_audio, failed_closed=err.cause)
-
-
-def _route_audio(outputs: worker_pb2.MultimodalOutputs, batch_ids: tuple[str, ...]) -> RoutedStep:
-    payloads = typed_audio_payloads(outputs, batch_ids)
     downstream = tuple(rid for rid in batch_ids if rid in payloads) if payloads else ()
     return RoutedStep(payloads, downstream, sparse=outputs.sparse_audio, failed_closed=None)

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -53,17 +53,12 @@ def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
 
 @dataclass(slots=True)
 class _Pending:
-    submit: list[worker_pb2.Submission]
-    futures: list[asyncio.Future[None]]
-    abort: list[worker_pb2.Abort]
-    release: list[worker_pb2.Release]
+    """What the next WorkerCommand carries, and the futures of the submissions in it."""
 
-    @classmethod
-    def empty(cls) -> _Pending:
-        return cls([], [], [], [])
-
-    def __bool__(self) -> bool:
-        return bool(self.submit or self.abort or self.release)
+    submit: list[worker_pb2.Submission] = field(default_factory=list)
+    futures: list[asyncio.Future[None]] = field(default_factory=list)
+    abort: list[worker_pb2.Abort] = field(default_factory=list)
+    release: list[worker_pb2.Release] = field(default_factory=list)
 
 
 class WorkerLink:
@@ -96,7 +91,7 @@ class WorkerLink:
         self.generation = 0
         """Counts Run streams opened: a session attached under one generation is not attached
         to the (possibly restarted) worker behind a later one."""
-        self._pending = _Pending.empty()
+        self._pending = _Pending()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -276,8 +271,8 @@ class WorkerLink:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            pending, self._pending = self._pending, _Pending.empty()
-            if not pending:
+            pending, self._pending = self._pending, _Pending()
+            if not (pending.submit or pending.abort or pending.release):
                 continue
             self.liveness.written(pending.submit, pending.abort, pending.release)
             cmd = worker_pb2.WorkerCommand(
@@ -299,7 +294,7 @@ class WorkerLink:
     def _lose(self) -> None:
         was = self._healthy
         self._healthy = False
-        pending, self._pending = self._pending, _Pending.empty()
+        pending, self._pending = self._pending, _Pending()
         for fut in pending.futures:
             if not fut.done():
                 fut.set_exception(ConnectionError(f"worker {self.address} went away"))

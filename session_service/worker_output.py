@@ -9,6 +9,9 @@ step stops that step's audio from getting out.
 Every comparison that decides whether worker output is still the session's is one of the
 functions below; every drop is counted in ``duplex_session_dropped_outputs_total{reason}``:
 
+Every rule is written once, here (the outbound queue's last epoch check aside), and listed with
+its site in ``docs/worker-protocol.md``:
+
 - ``stale_epoch`` (here, and the outbound queue): output or news of an epoch the session has
   left (cancel, barge-in, takeover); the rejection that tells a fenced-out owner.
 - ``stale_turn`` (here): output of an older turn than the session's, or news for a response
@@ -41,6 +44,7 @@ from session_service.metrics import DROPPED, LATENCY_FIRST_AUDIO
 from session_service.plugin import DuplexModelPlugin, OutputAction, SessionSettings
 
 if TYPE_CHECKING:
+    from session_service.ack_window import AckWindow
     from session_service.emitter import Emitter
     from session_service.response import ActiveResponse
 
@@ -73,11 +77,6 @@ for _reason in DropReason:
 # ---- the rules ----------------------------------------------------------------------------------
 
 
-def output_is_stale(output_epoch: int, current_epoch: int) -> bool:
-    """Epoch-bound output (audio, text) of an epoch the session has left: never delivered."""
-    return output_epoch < current_epoch
-
-
 def audio_drop_reason(
     fence: common_pb2.Fence | None,
     *,
@@ -99,19 +98,9 @@ def audio_drop_reason(
     return None
 
 
-def news_is_stale(update_epoch: int, epoch: int) -> bool:
-    """News (VAD, consumption, turn ends, errors) of an epoch the session has left."""
-    return update_epoch < epoch
-
-
 def belongs_to(fence: common_pb2.Fence, response: ActiveResponse | None) -> bool:
     """Text and rejections of the active response's turn are its own."""
     return response is not None and fence.turn_id == response.turn_id
-
-
-def ends(fence: common_pb2.Fence, response: ActiveResponse | None) -> bool:
-    """A completion or failure ends the active response only when it carries its turn and epoch."""
-    return response is not None and fence.turn_id == response.turn_id and fence.epoch == response.epoch
 
 
 def barges_in(fence: common_pb2.Fence, response: ActiveResponse | None, *, enabled: bool) -> bool:
@@ -119,14 +108,6 @@ def barges_in(fence: common_pb2.Fence, response: ActiveResponse | None, *, enabl
     response's turn (the APPEND's fence says which): speech the worker finds in older, still
     queued input (a fast client's commit) is the turn being answered, not a barge-in."""
     return enabled and response is not None and fence.turn_id >= response.turn_id
-
-
-def still_current(
-    response: ActiveResponse, current: ActiveResponse | None, epoch: int, *, closed: bool
-) -> bool:
-    """The last-moment check before response output is queued: it must still be the active
-    response, of the current epoch, of an open session."""
-    return current is response and response.epoch == epoch and not closed
 
 
 def client_code(worker_code: str) -> str:
@@ -152,18 +133,13 @@ class Session(Protocol):
     settings: SessionSettings
     runtime_config: dict[str, object]
     emitter: Emitter
+    acks: AckWindow
 
     @property
     def closed(self) -> bool: ...
 
     @property
     def response(self) -> ActiveResponse | None: ...
-
-    def consumed(self, worker_seq: int) -> None:
-        """The worker consumed the session's APPENDs up to ``worker_seq`` (this epoch)."""
-
-    def input_rejected(self) -> None:
-        """A submission was refused: what was handed on will never be consumed."""
 
     def cancel(self, reason: str) -> None:
         """Advance the epoch (barge-in)."""
@@ -215,11 +191,11 @@ class WorkerOutput:
         if u.HasField("error"):
             self._worker_error(u)
             return False
-        if news_is_stale(u.fence.epoch, s.epoch):
+        if u.fence.epoch < s.epoch:  # news of an epoch the session has left
             DROPPED[DropReason.STALE_EPOCH].inc()
             return False
         if u.input_seq and u.fence.epoch == s.epoch:
-            s.consumed(u.input_seq)
+            s.emitter.acks(s.acks.consumed(u.input_seq))
         for vad in u.vad:
             if vad.kind == SPEECH_STARTED:
                 self.speech = SpeechStatus.SPEAKING
@@ -269,7 +245,8 @@ class WorkerOutput:
 
     def _queue(self, event: session_pb2.ServerEvent, resp: ActiveResponse) -> bool:
         s = self._session
-        if not still_current(resp, s.response, s.epoch, closed=s.closed):
+        # The last-moment check: still the active response, of the current epoch, of an open session.
+        if s.response is not resp or resp.epoch != s.epoch or s.closed:
             DROPPED[DropReason.RESPONSE_CANCELLED].inc()
             return False
         s.emitter.emit_output(event, resp.epoch)
@@ -277,7 +254,9 @@ class WorkerOutput:
 
     def _terminal(self, u: worker_pb2.RequestUpdate) -> None:
         s = self._session
-        if not ends(u.fence, s.response):
+        resp = s.response
+        # A completion or failure ends the active response only with its turn and epoch.
+        if resp is None or u.fence.turn_id != resp.turn_id or u.fence.epoch != resp.epoch:
             if u.response_finished:
                 DROPPED[DropReason.STALE_TURN].inc()
             return
@@ -290,7 +269,7 @@ class WorkerOutput:
     def _worker_error(self, u: worker_pb2.RequestUpdate) -> None:
         s = self._session
         code = u.error.code
-        if news_is_stale(u.fence.epoch, s.epoch):
+        if u.fence.epoch < s.epoch:
             DROPPED[DropReason.STALE_EPOCH].inc()
             return
         if code in (WorkerErrorCode.NOT_OWNER, WorkerErrorCode.STALE_EPOCH):
@@ -300,7 +279,7 @@ class WorkerOutput:
             return
         # A rejected submission (an APPEND refused for capacity, say) is never consumed: stop
         # waiting for it rather than hold acks for ever.
-        s.input_rejected()
+        s.emitter.acks(s.acks.reset())
         if belongs_to(u.fence, s.response):
             s.finish_response(FAILED, code or ErrorCode.MODEL_ERROR.value)
         s.emitter.error(BadEventError(client_code(code), u.error.message or code))

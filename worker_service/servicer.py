@@ -256,7 +256,9 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             try:
                 work = self._to_work(model, owner, sub)
                 admission = self._fences.check(sub.fence.session_id, sub.fence.epoch, owner)
-                counter = self._counters.setdefault(sub.fence.session_id, QueueCounter())
+                counter = self._counters.get(sub.fence.session_id)
+                if counter is None:
+                    counter = self._counters[sub.fence.session_id] = QueueCounter()
                 if counter.depth + work.units > self._config.max_queued_frames:
                     raise CapacityError(
                         WorkerErrorCode.CAPACITY,

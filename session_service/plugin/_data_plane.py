@@ -75,8 +75,14 @@ class PcmDataPlane(DataPlane):
     def project_audio(
         self, proj: ResponseProjection, payload: common_pb2.AudioPayload
     ) -> list[session_pb2.ServerEvent]:
-        if payload.HasField("format") and PcmFormat.from_proto(payload.format) != proj.converter.src:
-            raise BadEventError(ErrorCode.MODEL_ERROR, "worker audio in an unexpected format")
+        if payload.HasField("format"):
+            fmt, src = payload.format, proj.converter.src  # compared as is: no conversion per frame
+            if (fmt.encoding, fmt.sample_rate_hz, fmt.channels) != (
+                src.encoding,
+                src.sample_rate_hz,
+                src.channels,
+            ):
+                raise BadEventError(ErrorCode.MODEL_ERROR, "worker audio in an unexpected format")
         return self._delta(proj, proj.converter.convert(payload.pcm))
 
     def end_response(self, proj: ResponseProjection) -> list[session_pb2.ServerEvent]:

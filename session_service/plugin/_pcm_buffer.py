@@ -94,8 +94,10 @@ class _FrameReservation(AppendReservation):
     def _settle(self) -> None:
         if not self._active:
             raise RuntimeError("reservation already settled")
+        if self._buffer._reserved is not self:
+            raise RuntimeError("not the open reservation")
         self._active = False
-        self._buffer._release(self)
+        self._buffer._reserved = None
 
 
 class FramePacketizer(PcmAppendBuffer):
@@ -132,7 +134,8 @@ class FramePacketizer(PcmAppendBuffer):
         self._check_free()
         data = self._remainder + self._converter.convert(pcm)  # raises before any state changes
         cut = len(data) - len(data) % self.frame_bytes
-        return self._open(_FrameReservation(self, data[:cut], len(pcm), data[cut:]))
+        res = self._reserved = _FrameReservation(self, data[:cut], len(pcm), data[cut:])
+        return res
 
     def reserve_flush(self) -> AppendReservation:
         self._check_free()
@@ -141,18 +144,10 @@ class FramePacketizer(PcmAppendBuffer):
         frames = self._remainder + self._converter.flush()
         if len(frames) % self.frame_bytes:
             frames += b"\x00" * (self.frame_bytes - len(frames) % self.frame_bytes)
-        return self._open(_FrameReservation(self, frames, 0, b""))
-
-    def _open(self, res: _FrameReservation) -> AppendReservation:
-        self._reserved = res
+        res = self._reserved = _FrameReservation(self, frames, 0, b"")
         return res
 
     def _check_free(self) -> None:
         # One reservation at a time: later appends wait for earlier ones (the runner is serial).
         if self._reserved is not None:
             raise RuntimeError("an append reservation is still open")
-
-    def _release(self, res: _FrameReservation) -> None:
-        if res is not self._reserved:
-            raise RuntimeError("not the open reservation")
-        self._reserved = None
