@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
@@ -104,7 +103,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
     ) -> None:
         try:
             async for ev in it:
-                await runner.post(ev, time.monotonic())
+                await runner.post(ev)  # stamped on the runner's clock as it arrives
         except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
             return  # dropped stream: the runner stays for a resume until its idle timeout
         except Exception:
