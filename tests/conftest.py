@@ -14,6 +14,7 @@ Tests that need more than one stack, or to start one mid-test, use ``in_process_
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
 async def stack(request: pytest.FixtureRequest) -> AsyncIterator[InProcessStack]:
     """Workers and one session-service replica in this process, all on free ports of 127.0.0.1,
     every worker linked and healthy; stopped afterwards (the replica first, then the workers)."""
-    options: dict[str, object] = {}
+    options: dict[str, Any] = {}
     for marker in reversed(list(request.node.iter_markers("stack"))):  # the closest one wins
         options.update(marker.kwargs)
     async with in_process_stack(**options) as s:
