@@ -18,6 +18,7 @@ import numpy as np
 from prometheus_client import REGISTRY
 
 from duplex.audio import PCM16K_MONO, PcmFormat, decode, encode, read_wav, resample, to_mono
+from duplex.clock import MONOTONIC
 from duplex.errors import DuplexError, from_rpc_error
 from duplex.v1 import session_pb2, session_pb2_grpc, worker_pb2
 from session_service.config import RunnerConfig, ServiceConfig
@@ -146,6 +147,25 @@ class InProcessStack:
         return [w.address for w in self.workers]
 
 
+class FastClock:
+    """The session tier's clock (``duplex.clock.Clock``) running ``speed`` times faster than real
+    time: silence continuation, idle timeouts and submit deadlines all scale with it. For tests
+    whose replies are paced by silence continuation and that check events and content, not pace."""
+
+    def __init__(self, speed: float) -> None:
+        self.speed = speed
+        self._t0 = time.monotonic()
+
+    def now(self) -> float:
+        return self._t0 + (time.monotonic() - self._t0) * self.speed
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds / self.speed)
+
+    def timeout(self, seconds: float) -> contextlib.AbstractAsyncContextManager[object]:
+        return asyncio.timeout(seconds / self.speed)
+
+
 async def wait_workers_healthy(server: SessionServer, n: int, *, within: float = 30.0) -> None:
     """Until ``n`` of the replica's worker links are healthy (its ``duplex_session_workers_healthy``)."""
     changed = asyncio.Event()
@@ -193,13 +213,15 @@ async def session_server(
     plugin: str = PARROT,
     runner: RunnerConfig | Mapping[str, Any] | None = None,
     wait_workers: int | None = None,
+    clock_speed: float = 1.0,
     **config: Any,
 ) -> AsyncIterator[SessionServer]:
     """One in-process session-service replica in front of ``workers``, once ``wait_workers``
     (default: all) of them are healthy; stopped afterwards (a test may drain or stop it first).
 
     ``config``: ``ServiceConfig`` fields (defaults: free port, no /metrics, a fresh replica id, a
-    random resume secret, 1 s drain grace); ``runner``: a ``RunnerConfig`` or its fields."""
+    random resume secret, 1 s drain grace); ``runner``: a ``RunnerConfig`` or its fields;
+    ``clock_speed``: the replica's clock runs that much faster than real time (``FastClock``)."""
     if runner is not None and not isinstance(runner, RunnerConfig):
         runner = RunnerConfig(**runner)
     config.setdefault("listen", "127.0.0.1:0")
@@ -210,7 +232,8 @@ async def session_server(
     if runner is not None:
         config["runner"] = runner
     cfg = ServiceConfig(plugin=plugin, workers=tuple(workers), **config)
-    server = SessionServer(cfg, load_plugin(plugin))
+    clock = MONOTONIC if clock_speed == 1.0 else FastClock(clock_speed)
+    server = SessionServer(cfg, load_plugin(plugin), clock=clock)
     try:
         await server.start()
         await wait_workers_healthy(server, len(set(workers)) if wait_workers is None else wait_workers)
@@ -230,12 +253,14 @@ async def in_process_stack(
     service: Mapping[str, Any] | None = None,
     runner: RunnerConfig | Mapping[str, Any] | None = None,
     replicas: int = 1,
+    clock_speed: float = 1.0,
 ) -> AsyncIterator[InProcessStack]:
     """``n_workers`` workers of ``model`` and ``replicas`` session-service replicas (``plugin``,
     one shared resume secret, each linked to every worker), in this process.
 
     ``worker``: ``WorkerConfig`` fields; ``service``: ``ServiceConfig`` fields; ``runner``:
-    ``RunnerConfig`` fields. Torn down in every case: the replicas first, then the workers."""
+    ``RunnerConfig`` fields; ``clock_speed``: see ``session_server``. Torn down in every case:
+    the replicas first, then the workers."""
     service = dict(service or {})
     secret: bytes = service.pop("resume_secret", None) or uuid.uuid4().bytes
     async with contextlib.AsyncExitStack() as exits:
@@ -248,7 +273,14 @@ async def in_process_stack(
         addresses = [w.address for w in workers]
         sessions = [
             await exits.enter_async_context(
-                session_server(addresses, plugin=plugin, runner=runner, resume_secret=secret, **service)
+                session_server(
+                    addresses,
+                    plugin=plugin,
+                    runner=runner,
+                    resume_secret=secret,
+                    clock_speed=clock_speed,
+                    **service,
+                )
             )
             for _ in range(replicas)
         ]

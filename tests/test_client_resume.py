@@ -16,7 +16,9 @@ from duplex.v1 import session_pb2
 from tests.session_helpers import InProcessStack
 
 
-@pytest.mark.stack(replicas=2)
+# The session tier's clock at 4x real time: the reply after the resume plays out at the pace of
+# the silence it feeds the lockstep parrot (tests.session_helpers.FastClock).
+@pytest.mark.stack(replicas=2, clock_speed=4.0)
 async def test_go_away_resumes_on_another_replica(stack: InProcessStack) -> None:
     first, second = stack.sessions
     target = f"ipv4:{first.address},{second.address}"  # pick_first: the first replica while it lives

@@ -15,6 +15,11 @@ from duplex.stack import example_path
 from duplex.v1 import session_pb2
 from tests.session_helpers import InProcessStack
 
+# The session tier's clock at 4x real time: the parrot is lockstep, so each reply plays out at
+# the pace of the silence the session feeds it (tests.session_helpers.FastClock). These tests
+# check events, order and content; test_session_stack runs the same paths in real time.
+pytestmark = pytest.mark.stack(clock_speed=4.0)
+
 HELLO = example_path("hello.wav")
 SILENCE_1S = b"\0\0" * 16000
 

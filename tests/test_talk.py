@@ -28,6 +28,10 @@ from tests.session_helpers import InProcessStack
 
 HELLO = example_path("hello.wav")
 FIXTURES = Path(__file__).parent / "fixtures"
+#: The session tier's clock 4x real time: the parrot is lockstep, so a reply plays out at the pace
+#: of the silence the session feeds it (tests.session_helpers.FastClock). For the tests that check
+#: a reply's events and content; the barge-in (which lands mid-reply) and the CLI run in real time.
+FAST = pytest.mark.stack(clock_speed=4.0)
 TIMELINE = ("speech started", "speech stopped", "committed", "response started", "first audio")
 
 
@@ -53,6 +57,7 @@ async def talk_file(
     return result, out.getvalue()
 
 
+@FAST
 @pytest.mark.parametrize(("rate", "channels"), [(8000, 1), (44100, 2)])
 async def test_talk_any_format(stack: InProcessStack, tmp_path: Path, rate: int, channels: int) -> None:
     src = make_variant(tmp_path, rate, channels)
@@ -68,6 +73,7 @@ async def test_talk_any_format(stack: InProcessStack, tmp_path: Path, rate: int,
     assert len(reply) / reply_rate > 2.0  # "Hello! This is a full duplex speech demo." comes back
 
 
+@FAST
 async def test_talk_reads_extensible_wavs(stack: InProcessStack, tmp_path: Path) -> None:
     """A file the stdlib ``wave`` refused (made with sox, see tests/fixtures/make_format_fixtures.sh;
     the 32-bit float one goes through the CLI in test_talk_cli_end_to_end)."""
