@@ -13,7 +13,10 @@ from duplex.audio import PCM16K_MONO
 from duplex.client import DuplexClient, event_kind, load_wav_as
 from duplex.stack import example_path
 from duplex.v1 import session_pb2
-from tests.session_helpers import InProcessStack
+from tests.session_helpers import InProcessStack, sample
+from tests.worker_helpers import wait_until
+
+DRAINING = {"code": "draining"}
 
 
 # The session tier's clock at 4x real time: the reply after the resume plays out at the pace of
@@ -27,11 +30,16 @@ async def test_go_away_resumes_on_another_replica(stack: InProcessStack) -> None
         first_epoch = session.epoch
         assert event_kind(await session.wait_for("opened", timeout_s=5)) == "opened"  # the first one
         assert first.registry.get(session.session_id) is not None  # it lives on replica 1
+        refused_before = sample("duplex_session_errors_total", DRAINING)
         # Drain replica 1 (what its process does on SIGTERM), then stop it.
         drained = asyncio.create_task(first.drain())
         go_away = await session.wait_for("go_away", timeout_s=20)
         assert go_away.go_away.resume_token
         await asyncio.wait_for(drained, 15)
+        # The client retries its resume on replica 1 (its channel's first address) until that is
+        # gone; stop it once it has refused one (draining), between the client's attempts: a
+        # resume in flight when the server stops ends CANCELLED, which the client does not retry.
+        await wait_until(lambda: sample("duplex_session_errors_total", DRAINING) > refused_before)
         await asyncio.wait_for(first.stop(), 15)
         resumed = await session.wait_for("opened", timeout_s=20)
         assert resumed.opened.session_id == session.session_id
