@@ -1,4 +1,5 @@
-"""Helpers for session-service process tests: the stack, a small client, content comparison."""
+"""Helpers for session-service tests: the stack (in process, or as real processes), a small
+client, content comparison, metrics."""
 
 from __future__ import annotations
 
@@ -6,21 +7,31 @@ import asyncio
 import contextlib
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
+from prometheus_client import REGISTRY
 
 from duplex.audio import PCM16K_MONO, PcmFormat, decode, encode, read_wav, resample, to_mono
+from duplex.clock import MONOTONIC
 from duplex.errors import DuplexError, from_rpc_error
 from duplex.v1 import session_pb2, session_pb2_grpc, worker_pb2
+from session_service.config import RunnerConfig, ServiceConfig
+from session_service.plugin import load_plugin
 from session_service.runner import SessionRunner
+from session_service.server import SessionServer
 from tests.procs import ServiceProcess, start_all, start_service
+from worker_service.config import WorkerConfig
+from worker_service.server import WorkerServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PARROT = "session_service.plugins.parrot:ParrotPlugin"
+SYNTHETIC = "session_service.plugins.synthetic:SyntheticPlugin"
 
 
 def worker_args(*extra: str, model: str = "parrot", port: int = 0, device: str | None = None) -> list[str]:
@@ -98,6 +109,201 @@ def worker_and_session(
             session.terminate(timeout=stop_timeout)
     finally:
         worker_proc.terminate(timeout=stop_timeout)
+
+
+# ---- the stack in this process ----------------------------------------------------------------
+#
+# Workers (``WorkerServer``) and session-service replicas (``SessionServer``) in the test's own
+# event loop, each on a free port of 127.0.0.1: the same gRPC servers, links and engines as the
+# processes, without their 2-4 s start. What only a process shows (signals, the CLI, its
+# announcement) stays with ``running_stack`` and tests/procs.py.
+#
+# Metrics: in-process servers share ``prometheus_client.REGISTRY`` (every tier, every replica,
+# every earlier test), and serve no /metrics unless ``metrics_port`` >= 0 is asked for. Compare
+# ``sample``/``sample_sum`` before and after, and only where one tier alone writes the metric (or
+# the check is "no change at all").
+
+
+@dataclass
+class InProcessStack:
+    """Workers and session-service replicas running in this process."""
+
+    workers: list[WorkerServer]
+    sessions: list[SessionServer]
+    resume_secret: bytes
+
+    @property
+    def session(self) -> SessionServer:
+        """The first (usually the only) replica."""
+        return self.sessions[0]
+
+    @property
+    def target(self) -> str:
+        """``HOST:PORT`` of the first replica (what clients connect to)."""
+        return self.session.address
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [w.address for w in self.workers]
+
+
+class FastClock:
+    """The session tier's clock (``duplex.clock.Clock``) running ``speed`` times faster than real
+    time: silence continuation, idle timeouts and submit deadlines all scale with it. For tests
+    whose replies are paced by silence continuation and that check events and content, not pace."""
+
+    def __init__(self, speed: float) -> None:
+        self.speed = speed
+        self._t0 = time.monotonic()
+
+    def now(self) -> float:
+        return self._t0 + (time.monotonic() - self._t0) * self.speed
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds / self.speed)
+
+    def timeout(self, seconds: float) -> contextlib.AbstractAsyncContextManager[object]:
+        return asyncio.timeout(seconds / self.speed)
+
+
+async def wait_workers_healthy(server: SessionServer, n: int, *, within: float = 30.0) -> None:
+    """Until ``n`` of the replica's worker links are healthy (its ``duplex_session_workers_healthy``)."""
+    changed = asyncio.Event()
+
+    def listener(_ok: bool) -> None:
+        changed.set()
+
+    server.pool.health_listeners.append(listener)
+    try:
+        async with asyncio.timeout(within):
+            while len(server.pool.healthy()) < n:
+                changed.clear()
+                await changed.wait()
+    except TimeoutError:
+        raise TimeoutError(f"{len(server.pool.healthy())} of {n} workers healthy after {within}s") from None
+    finally:
+        server.pool.health_listeners.remove(listener)
+
+
+@contextlib.asynccontextmanager
+async def worker_server(
+    *, model: str = "parrot", model_options: Mapping[str, object] | None = None, **config: Any
+) -> AsyncIterator[WorkerServer]:
+    """One in-process worker on a free port, its model loaded; stopped afterwards.
+
+    ``config``: ``WorkerConfig`` fields (defaults: cpu, one torch thread, no /metrics)."""
+    config.setdefault("device", "cpu")
+    config.setdefault("torch_threads", 1)
+    config.setdefault("metrics_port", -1)
+    config.setdefault("drain_grace_s", 0.2)
+    server = WorkerServer(
+        WorkerConfig(model=model, listen="127.0.0.1:0", model_options=dict(model_options or {}), **config)
+    )
+    try:
+        await asyncio.wait_for(server.start(), 60)
+        yield server
+    finally:
+        await asyncio.wait_for(server.stop(grace=0.2), 30)
+
+
+@contextlib.asynccontextmanager
+async def session_server(
+    workers: Sequence[str],
+    *,
+    plugin: str = PARROT,
+    runner: RunnerConfig | Mapping[str, Any] | None = None,
+    wait_workers: int | None = None,
+    clock_speed: float = 1.0,
+    **config: Any,
+) -> AsyncIterator[SessionServer]:
+    """One in-process session-service replica in front of ``workers``, once ``wait_workers``
+    (default: all) of them are healthy; stopped afterwards (a test may drain or stop it first).
+
+    ``config``: ``ServiceConfig`` fields (defaults: free port, no /metrics, a fresh replica id, a
+    random resume secret, 1 s drain grace); ``runner``: a ``RunnerConfig`` or its fields;
+    ``clock_speed``: the replica's clock runs that much faster than real time (``FastClock``)."""
+    if runner is not None and not isinstance(runner, RunnerConfig):
+        runner = RunnerConfig(**runner)
+    config.setdefault("listen", "127.0.0.1:0")
+    config.setdefault("metrics_port", -1)
+    config.setdefault("replica_id", f"session-test-{uuid.uuid4().hex[:8]}")
+    config.setdefault("resume_secret", uuid.uuid4().bytes)
+    config.setdefault("drain_grace_s", 1.0)
+    if runner is not None:
+        config["runner"] = runner
+    cfg = ServiceConfig(plugin=plugin, workers=tuple(workers), **config)
+    clock = MONOTONIC if clock_speed == 1.0 else FastClock(clock_speed)
+    server = SessionServer(cfg, load_plugin(plugin), clock=clock)
+    try:
+        await server.start()
+        await wait_workers_healthy(server, len(set(workers)) if wait_workers is None else wait_workers)
+        yield server
+    finally:
+        await asyncio.wait_for(server.stop(grace=1.0), 30)
+
+
+@contextlib.asynccontextmanager
+async def in_process_stack(
+    n_workers: int = 1,
+    *,
+    model: str = "parrot",
+    plugin: str = PARROT,
+    model_options: Mapping[str, object] | None = None,
+    worker: Mapping[str, Any] | None = None,
+    service: Mapping[str, Any] | None = None,
+    runner: RunnerConfig | Mapping[str, Any] | None = None,
+    replicas: int = 1,
+    clock_speed: float = 1.0,
+) -> AsyncIterator[InProcessStack]:
+    """``n_workers`` workers of ``model`` and ``replicas`` session-service replicas (``plugin``,
+    one shared resume secret, each linked to every worker), in this process.
+
+    ``worker``: ``WorkerConfig`` fields; ``service``: ``ServiceConfig`` fields; ``runner``:
+    ``RunnerConfig`` fields; ``clock_speed``: see ``session_server``. Torn down in every case:
+    the replicas first, then the workers."""
+    service = dict(service or {})
+    secret: bytes = service.pop("resume_secret", None) or uuid.uuid4().bytes
+    async with contextlib.AsyncExitStack() as exits:
+        workers = [
+            await exits.enter_async_context(
+                worker_server(model=model, model_options=model_options, **dict(worker or {}))
+            )
+            for _ in range(n_workers)
+        ]
+        addresses = [w.address for w in workers]
+        sessions = [
+            await exits.enter_async_context(
+                session_server(
+                    addresses,
+                    plugin=plugin,
+                    runner=runner,
+                    resume_secret=secret,
+                    clock_speed=clock_speed,
+                    **service,
+                )
+            )
+            for _ in range(replicas)
+        ]
+        yield InProcessStack(workers, sessions, secret)
+
+
+def _registered(name: str) -> None:
+    """Fail on a sample name no registered metric can produce (a typo would compare 0 with 0)."""
+    suffixes = ("", "_total", "_created", "_count", "_sum", "_bucket")
+    if not any(name == m.name + suffix for m in REGISTRY.collect() for suffix in suffixes):
+        raise KeyError(f"no metric in the registry has samples called {name!r}")
+
+
+def sample(name: str, labels: Mapping[str, str] | None = None) -> float:
+    """A sample of the process-wide Prometheus registry (0 when it has none yet)."""
+    _registered(name)
+    return REGISTRY.get_sample_value(name, dict(labels or {})) or 0.0
+
+
+def sample_sum(name: str) -> float:
+    """Every sample called ``name`` in the process-wide registry, over all label values."""
+    _registered(name)
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
 
 
 def metrics_text(address: str) -> str:

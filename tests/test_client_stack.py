@@ -1,4 +1,5 @@
-"""The Python client against a real local stack (one session service, one parrot worker)."""
+"""The Python client against a local stack (one session service, one parrot worker), in process:
+the ``stack`` fixture of tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -10,19 +11,17 @@ import pytest
 from duplex import errors
 from duplex.audio import PCM16K_MONO, S16LE, PcmFormat, decode
 from duplex.client import DuplexClient, Session, SessionClosedError, event_kind, load_wav_as, turn_detection
-from duplex.stack import LocalStack, example_path
+from duplex.stack import example_path
 from duplex.v1 import session_pb2
+from tests.session_helpers import InProcessStack
 
-pytestmark = pytest.mark.process
+# The session tier's clock at 4x real time: the parrot is lockstep, so each reply plays out at
+# the pace of the silence the session feeds it (tests.session_helpers.FastClock). These tests
+# check events, order and content; test_session_stack runs the same paths in real time.
+pytestmark = pytest.mark.stack(clock_speed=4.0)
 
 HELLO = example_path("hello.wav")
 SILENCE_1S = b"\0\0" * 16000
-
-
-@pytest.fixture(scope="module")
-def stack():
-    with LocalStack(workers=1, startup_timeout_s=60) as s:
-        yield s
 
 
 async def collect_until(
@@ -45,7 +44,7 @@ def kinds_of(events: list[session_pb2.ServerEvent]) -> list[str]:
     return [event_kind(e) for e in events]
 
 
-async def test_open_talk_and_reply(stack):
+async def test_open_talk_and_reply(stack: InProcessStack) -> None:
     async with DuplexClient(stack.target) as client:
         session = await client.open_session(model="parrot")
         assert session.session_id and session.resume_token
@@ -69,7 +68,7 @@ async def test_open_talk_and_reply(stack):
         assert session.closed
 
 
-async def test_manual_commit_and_response(stack):
+async def test_manual_commit_and_response(stack: InProcessStack) -> None:
     async with DuplexClient(stack.target) as client:
         # barge_in off: with fast streaming the VAD reports speech from before the commit while
         # the response runs, which the server would take as the user interrupting.
@@ -86,7 +85,7 @@ async def test_manual_commit_and_response(stack):
         await session.close()
 
 
-async def test_barge_in_cancels_and_seq_restarts(stack):
+async def test_barge_in_cancels_and_seq_restarts(stack: InProcessStack) -> None:
     async with DuplexClient(stack.target) as client:
         session = await client.open_session()
         # A long utterance gives a long reply, so the barge-in surely lands while it streams.
@@ -117,7 +116,7 @@ async def test_barge_in_cancels_and_seq_restarts(stack):
         await session.close()
 
 
-async def test_two_sessions_at_once(stack):
+async def test_two_sessions_at_once(stack: InProcessStack) -> None:
     async with DuplexClient(stack.target) as client:
         a, b = await asyncio.gather(client.open_session(), client.open_session())
         assert a.session_id != b.session_id
@@ -136,7 +135,7 @@ async def test_two_sessions_at_once(stack):
         await asyncio.gather(a.close(), b.close())
 
 
-async def test_error_event_keeps_session_and_close_ends_it(stack):
+async def test_error_event_keeps_session_and_close_ends_it(stack: InProcessStack) -> None:
     async with DuplexClient(stack.target) as client:
         session = await client.open_session()
         bad = await session.send_audio(b"\0\0" * 160, fmt=PcmFormat(S16LE, 8000, 1))  # not the input format
@@ -149,14 +148,14 @@ async def test_error_event_keeps_session_and_close_ends_it(stack):
             await session.send_audio(b"\0\0" * 320)
 
 
-async def test_bad_open_raises_typed_error(stack):
+async def test_bad_open_raises_typed_error(stack: InProcessStack) -> None:
     async with DuplexClient(stack.target) as client:
         with pytest.raises(errors.BadRequestError) as exc:
             await client.open_session(model="no-such-model")
         assert exc.value.code == errors.ErrorCode.MODEL_MISMATCH
 
 
-async def test_resume_with_token(stack):
+async def test_resume_with_token(stack: InProcessStack) -> None:
     async with DuplexClient(stack.target) as client:
         session = await client.open_session()
         with pytest.raises(errors.UnauthenticatedError):

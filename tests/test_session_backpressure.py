@@ -1,4 +1,4 @@
-"""Backpressure through input acks, with real processes.
+"""Backpressure through input acks: a session service and a worker in this process.
 
 A client that streams a long input as fast as ``input_ack`` allows (``stream_audio`` without
 ``realtime``, its default 2 s unacked window) against a worker that consumes more slowly than
@@ -11,46 +11,32 @@ the client never sees ``capacity_exhausted``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
 from duplex.client import DuplexClient, event_kind, turn_detection
-from tests.procs import ServiceProcess
-from tests.session_helpers import metric_value, metrics_text, worker_and_session, worker_args
+from tests.session_helpers import SYNTHETIC, InProcessStack, sample
 
-pytestmark = pytest.mark.process
-
-SYNTHETIC = "session_service.plugins.synthetic:SyntheticPlugin"
 INPUT_S = 16  # 500 frames of 32 ms: far more than the worker's queue holds
 QUEUE_FRAMES = 160  # the worker's per-request input queue
 HOLD_MS = 1000  # ~32 frames unconsumed before acks are held; + the client's 2 s window < 160
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    # A synthetic model heavy enough that one worker steps more slowly than one client sends.
-    worker = worker_args(
-        "--hidden-size",
-        "1536",
-        "--layers",
-        "6",
-        "--max-queued-frames",
-        str(QUEUE_FRAMES),
-        model="synthetic",
-        device="cpu",
-    )
-    hold = ("--max-unconsumed-input-ms", str(HOLD_MS))
-    with worker_and_session(worker, *hold, plugin=SYNTHETIC) as procs:
-        yield procs
+# A synthetic model heavy enough that one worker steps more slowly than one client sends.
+pytestmark = pytest.mark.stack(
+    model="synthetic",
+    plugin=SYNTHETIC,
+    model_options={"hidden_size": 1536, "layers": 6},
+    worker={"max_queued_frames": QUEUE_FRAMES},
+    runner={"max_unconsumed_input_ms": HOLD_MS},
+)
+CAPACITY = {"reason": "capacity"}
 
 
-async def test_a_client_streaming_as_fast_as_acks_allow_is_never_refused(
-    stack: tuple[ServiceProcess, ServiceProcess],
-) -> None:
-    worker, session_proc = stack
+async def test_a_client_streaming_as_fast_as_acks_allow_is_never_refused(stack: InProcessStack) -> None:
+    refused_before = sample("duplex_worker_fenced_total", CAPACITY)
     pcm = bytes(16000 * 2 * INPUT_S)
-    async with DuplexClient(session_proc.grpc) as client:
+    async with DuplexClient(stack.target) as client:
         session = await client.open_session(
             model="synthetic", turn_detection=turn_detection(auto_respond=False, barge_in=False)
         )
@@ -76,8 +62,7 @@ async def test_a_client_streaming_as_fast_as_acks_allow_is_never_refused(
         await session.close(timeout_s=5.0)
         await asyncio.wait_for(reader, 10)
     assert errors == []
-    text = metrics_text(worker.metrics)
-    assert not metric_value(text, "duplex_worker_fenced_total", 'reason="capacity"')
+    assert sample("duplex_worker_fenced_total", CAPACITY) == refused_before  # the worker's alone
     # The worker really was the slower side: acks were held and went out collapsed (one ack for
     # several appends; unheld, every append gets its own). With the bound off (0) this same setup
     # overflows the worker's queue: capacity_exhausted errors.

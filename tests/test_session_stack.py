@@ -1,4 +1,6 @@
-"""The session service with real processes: one session service, two parrot workers.
+"""The session service end to end: one session service, two parrot workers, in this process
+(the ``stack`` fixture of tests/conftest.py); what only a process shows -- SIGTERM, the CLI's exit
+code -- with a real ``duplex session`` process.
 
 Checks by CONTENT that every caller gets back only its own reply, that no audio of a cancelled
 epoch follows ``audio_cancelled``, that bad input gets its stable code (or call status) while
@@ -11,7 +13,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -24,25 +25,25 @@ from session_service.placement import rendezvous_pick
 from tests.procs import REPO, start_service
 from tests.session_helpers import (
     Conversation,
-    Stack,
-    metric_sum,
-    metric_value,
+    InProcessStack,
     metrics_text,
     open_event,
-    running_stack,
+    sample,
+    sample_sum,
     session_args,
+    session_server,
     similarity,
     speech,
     to_16k,
     utterance_pcm,
-    wait_metric,
+    worker_server,
 )
 from worker_service.models.parrot import parrot_reply
 
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.stack(n_workers=2, runner={"idle_timeout_s": 20})
 
 PITCH = 4.0
-SECRET = "shared-test-secret"
+SERVING = health_pb2.HealthCheckResponse.SERVING
 # A few sessions speak other formats, so conversion both ways is on the path being checked.
 FORMATS = [PCM16K_MONO] * 12 + [
     PcmFormat(F32LE, 24000, 1),
@@ -50,12 +51,6 @@ FORMATS = [PCM16K_MONO] * 12 + [
     PcmFormat(S16LE, 8000, 1),
     PcmFormat(F32LE, 16000, 1),
 ]
-
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    with running_stack(2, "--idle-timeout-s", "20", "--resume-secret", SECRET) as s:
-        yield s
 
 
 async def _reply(
@@ -67,19 +62,22 @@ async def _reply(
     return done.response_done, pcm
 
 
-async def test_sixteen_sessions_each_get_only_their_own_reply(stack: Stack) -> None:
+async def test_sixteen_sessions_each_get_only_their_own_reply(stack: InProcessStack) -> None:
     voices = [speech(i) for i in range(16)]
-    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+    workers = stack.worker_addresses
+    placed_before = {w: sample("duplex_session_worker_sessions", {"worker": w}) for w in workers}
+    async with grpc.aio.insecure_channel(stack.target) as ch:
         convs = [Conversation(ch).start(open_event(fmt)) for fmt in FORMATS]
         opened = [await c.wait_kind("opened") for c in convs]
         ids = [o.opened.session_id for o in opened]
         assert len(set(ids)) == 16
-        # Sessions spread over both workers: rendezvous placement, visible in the placement gauge.
-        placement = {rendezvous_pick(sid, [w.grpc for w in stack.workers]) for sid in ids}
-        assert placement == {w.grpc for w in stack.workers}
-        text = metrics_text(stack.session.metrics)
-        for w in stack.workers:
-            assert (metric_value(text, "duplex_session_worker_sessions", f'worker="{w.grpc}"') or 0) >= 1
+        # Sessions spread over both workers: rendezvous placement, visible in the placement gauge
+        # (only the session tier writes it, per worker address; compared with before, as earlier
+        # tests in this process may have left their value on a reused port).
+        placement = {rendezvous_pick(sid, workers) for sid in ids}
+        assert placement == set(workers)
+        for w in workers:
+            assert sample("duplex_session_worker_sessions", {"worker": w}) - placed_before[w] >= 1, w
         await asyncio.gather(
             *(c.stream(utterance_pcm(v, f), f) for c, v, f in zip(convs, voices, FORMATS, strict=True))
         )
@@ -140,11 +138,12 @@ def best_expected(
     return best
 
 
-async def test_barge_in_mid_reply_leaves_no_cancelled_audio(stack: Stack) -> None:
+async def test_barge_in_mid_reply_leaves_no_cancelled_audio(stack: InProcessStack) -> None:
     # A long utterance (all voices back to back, the worker caps it at 15 s) makes a reply long
     # enough to interrupt even on a worker that steps much faster than real time.
     voice = np.concatenate([speech(i) for i in range(16)])
-    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+    events_before = sample_sum("duplex_session_events_total")
+    async with grpc.aio.insecure_channel(stack.target) as ch:
         conv = Conversation(ch).start(open_event(extra_body={"silence_ms": 1500}))
         await conv.wait_kind("opened")
         cancelled_mid_reply = False
@@ -188,12 +187,13 @@ async def test_barge_in_mid_reply_leaves_no_cancelled_audio(stack: Stack) -> Non
         assert similarity(got, best_expected(n, got, heard, PCM16K_MONO, phase=phase)) > 0.8
         conv.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
         await conv.wait_done()
-    text = metrics_text(stack.session.metrics)
-    assert metric_sum(text, "duplex_session_events_total") > 0
+    assert sample_sum("duplex_session_events_total") > events_before
 
 
-async def test_bad_input_gets_its_code_and_other_sessions_are_unaffected(stack: Stack) -> None:
-    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+async def test_bad_input_gets_its_code_and_other_sessions_are_unaffected(stack: InProcessStack) -> None:
+    counted = ("private_runtime_key", "invalid_pcm_length", "chunk_too_large", "session_not_open")
+    errors_before = {code: sample("duplex_session_errors_total", {"code": code}) for code in counted}
+    async with grpc.aio.insecure_channel(stack.target) as ch:
         good = Conversation(ch).start(open_event())
         await good.wait_kind("opened")
         good_stream = asyncio.create_task(good.stream(utterance_pcm(speech(9), PCM16K_MONO), PCM16K_MONO))
@@ -312,9 +312,8 @@ async def test_bad_input_gets_its_code_and_other_sessions_are_unaffected(stack: 
         for c in (good, bad):
             c.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
             await c.wait_done()
-    text = metrics_text(stack.session.metrics)
-    for code in ("private_runtime_key", "invalid_pcm_length", "chunk_too_large", "session_not_open"):
-        assert (metric_value(text, "duplex_session_errors_total", f'code="{code}"') or 0) >= 1, code
+    for code in counted:
+        assert sample("duplex_session_errors_total", {"code": code}) - errors_before[code] >= 1, code
 
 
 def _append(seq: int, pcm: bytes, fmt: common_pb2.AudioFormat | None = None) -> session_pb2.ClientEvent:
@@ -326,8 +325,8 @@ def _append(seq: int, pcm: bytes, fmt: common_pb2.AudioFormat | None = None) -> 
     return ev
 
 
-async def test_resume_rebinds_to_the_live_session(stack: Stack) -> None:
-    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+async def test_resume_rebinds_to_the_live_session(stack: InProcessStack) -> None:
+    async with grpc.aio.insecure_channel(stack.target) as ch:
         first = Conversation(ch).start(
             open_event(turn_detection=session_pb2.TurnDetection(auto_respond=False))
         )
@@ -356,8 +355,9 @@ async def test_resume_rebinds_to_the_live_session(stack: Stack) -> None:
         await second.wait_for(lambda e: e.HasField("closed"))
 
 
-async def test_health_reflection_and_metrics(stack: Stack) -> None:
-    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+@pytest.mark.stack(service={"metrics_port": 0})  # /metrics on a free port
+async def test_health_reflection_and_metrics(stack: InProcessStack) -> None:
+    async with grpc.aio.insecure_channel(stack.target) as ch:
         health = health_pb2_grpc.HealthStub(ch)
         for service in ("", "duplex.v1.DuplexSession"):
             resp = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
@@ -368,7 +368,9 @@ async def test_health_reflection_and_metrics(stack: Stack) -> None:
         call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = [s.name async for r in call for s in r.list_services_response.service]
         assert "duplex.v1.DuplexSession" in names
-    text = metrics_text(stack.session.metrics)
+    assert stack.session.metrics is not None
+    # The process-wide registry (every tier of this process), as this replica's /metrics serves it.
+    text = await asyncio.to_thread(metrics_text, f"127.0.0.1:{stack.session.metrics.port}")
     for name in (
         "duplex_session_active_sessions",
         "duplex_session_events_total",
@@ -382,7 +384,9 @@ async def test_health_reflection_and_metrics(stack: Stack) -> None:
     assert "sess_" not in text  # no per-session labels
 
 
-def test_unknown_plugin_path_refuses_to_start(stack: Stack) -> None:
+@pytest.mark.process
+def test_unknown_plugin_path_refuses_to_start() -> None:
+    # The CLI itself: the plugin is loaded before any worker is dialled, so none is needed.
     for plugin in ("no_such_pkg.plugins:Nope", "session_service.plugins.parrot:Missing"):
         proc = subprocess.run(
             [
@@ -393,7 +397,7 @@ def test_unknown_plugin_path_refuses_to_start(stack: Stack) -> None:
                 "--plugin",
                 plugin,
                 "--workers",
-                stack.workers[0].grpc,
+                "127.0.0.1:1",
                 "--listen",
                 "127.0.0.1:0",
                 "--metrics-port",
@@ -407,14 +411,13 @@ def test_unknown_plugin_path_refuses_to_start(stack: Stack) -> None:
         assert proc.returncode == 2 and "unknown plugin" in proc.stderr, proc.stderr
 
 
-async def test_takeover_by_another_replica_fences_the_old_owner_then_drain(stack: Stack) -> None:
-    other = start_service(session_args([w.grpc for w in stack.workers], "--resume-secret", SECRET))
-    stack.extra.append(other)
-    wait_metric(other.metrics, "duplex_session_workers_healthy", 2.0, timeout=30)
+async def test_takeover_by_another_replica_fences_the_old_owner_then_drain(stack: InProcessStack) -> None:
     manual = session_pb2.TurnDetection(auto_respond=False)
+    # Replica B: the same workers and resume secret as the stack's replica A.
     async with (
-        grpc.aio.insecure_channel(stack.session.grpc) as ch_a,
-        grpc.aio.insecure_channel(other.grpc) as ch_b,
+        session_server(stack.worker_addresses, resume_secret=stack.resume_secret) as other,
+        grpc.aio.insecure_channel(stack.target) as ch_a,
+        grpc.aio.insecure_channel(other.address) as ch_b,
     ):
         old = Conversation(ch_a).start(open_event(turn_detection=manual))
         opened = (await old.wait_kind("opened")).opened
@@ -439,10 +442,41 @@ async def test_takeover_by_another_replica_fences_the_old_owner_then_drain(stack
         new.append(b"\x00" * 2048)
         new.send(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
         assert (await new.wait_kind("committed")).committed.audio_ms == 64  # counted by this replica
-        # SIGTERM drains replica B: go_away with the resume token, then closed, then exit 0.
-        other.proc.send_signal(signal.SIGTERM)
+        # Draining replica B: go_away with the resume token, then closed (a process does this on
+        # SIGTERM: test_sigterm_drains_a_session_process).
+        drained = asyncio.create_task(other.drain())
         away = (await new.wait_kind("go_away")).go_away
         assert away.resume_token == opened.resume_token and away.reason == "draining"
         assert (await new.wait_kind("closed")).closed.reason == "draining"
         await new.wait_done()
-    assert await asyncio.to_thread(other.proc.wait, 15) == 0
+        await asyncio.wait_for(drained, 15)
+        await asyncio.wait_for(other.stop(), 15)
+
+
+@pytest.mark.process
+async def test_sigterm_drains_a_session_process() -> None:
+    """A real ``duplex session``: its listening line, then on SIGTERM go_away (with the resume
+    token) and closed to its clients, and exit 0. Its worker runs in this process."""
+    async with worker_server() as worker:
+        proc = await asyncio.to_thread(start_service, session_args([worker.address]))
+        try:
+            async with grpc.aio.insecure_channel(proc.grpc) as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                async with asyncio.timeout(30):  # SERVING once it has linked to the worker
+                    async for resp in health.Watch(health_pb2.HealthCheckRequest(service="")):
+                        if resp.status == SERVING:
+                            break
+                conv = Conversation(ch).start(
+                    open_event(turn_detection=session_pb2.TurnDetection(auto_respond=False))
+                )
+                opened = (await conv.wait_kind("opened")).opened
+                conv.append(b"\x00" * 2048)
+                await conv.wait_kind("input_ack")
+                proc.proc.send_signal(signal.SIGTERM)
+                away = (await conv.wait_kind("go_away")).go_away
+                assert away.resume_token == opened.resume_token and away.reason == "draining"
+                assert (await conv.wait_kind("closed")).closed.reason == "draining"
+                await conv.wait_done()
+            assert await asyncio.to_thread(proc.proc.wait, 15) == 0
+        finally:
+            await asyncio.to_thread(proc.terminate, 10)

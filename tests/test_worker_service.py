@@ -12,7 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from duplex.v1 import worker_pb2
+from duplex.v1 import worker_pb2, worker_pb2_grpc
+from tests.session_helpers import sample
 from tests.worker_helpers import (
     APPEND,
     CLEAR,
@@ -30,10 +31,16 @@ from tests.worker_helpers import (
     quantize,
     sub,
     updates_of,
+    wait_until,
     worker,
 )
+from worker_service.config import WorkerConfig
 from worker_service.models.parrot import ParrotModel, parrot_reply
+from worker_service.server import WorkerServer
 from worker_service.servicer import SERVICE_NAME
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def attach(stub, session: str, owner: str, epoch: int = 1, takeover: bool = False) -> int:
@@ -255,9 +262,6 @@ async def test_health_goes_serving_once_the_model_is_loaded() -> None:
         assert gate.wait(10)
         return ParrotModel(device)
 
-    from worker_service.config import WorkerConfig
-    from worker_service.server import WorkerServer
-
     server = WorkerServer(WorkerConfig(metrics_port=-1, drain_grace_s=0.1), model_factory=slow_model)
     await server.start(wait_ready=False)
     try:
@@ -265,30 +269,23 @@ async def test_health_goes_serving_once_the_model_is_loaded() -> None:
             health = health_pb2_grpc.HealthStub(channel)
             for name in ("", SERVICE_NAME):
                 resp = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
-                assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert resp.status == NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await attach(worker_pb2_stub(channel), "s1", "o1")
+                await attach(worker_pb2_grpc.DuplexWorkerStub(channel), "s1", "o1")
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            assert (await asyncio.wait_for(watch.read(), 5)).status == NOT_SERVING
             gate.set()
             await asyncio.wait_for(server.wait_ready(), 10)
-            for _ in range(100):
-                resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-                await asyncio.sleep(0.02)
-            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            # The next status the watch reports: SERVING, once the model is loaded.
+            assert (await asyncio.wait_for(watch.read(), 10)).status == SERVING
+            watch.cancel()
             await server.drain()
             resp = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert resp.status == NOT_SERVING
     finally:
         gate.set()
         await server.stop(grace=0.1)
-
-
-def worker_pb2_stub(channel):
-    from duplex.v1 import worker_pb2_grpc
-
-    return worker_pb2_grpc.DuplexWorkerStub(channel)
 
 
 async def test_reflection_lists_the_service() -> None:
@@ -307,7 +304,10 @@ async def test_reflection_lists_the_service() -> None:
 
 async def test_orphaned_sessions_are_released_after_the_grace() -> None:
     """A crashed session-service replica must not pin model state and capacity forever."""
-    async with worker(orphan_grace_s=0.3, max_sessions=3) as (_, stub):
+    streams = "duplex_worker_owner_streams"  # this worker is the only one in the process
+    released = "duplex_worker_orphaned_sessions_released_total"
+    released_before = sample(released)
+    async with worker(orphan_grace_s=0.5, max_sessions=3) as (_, stub):
         await attach(stub, "gone1", "crashed")
         await attach(stub, "gone2", "crashed")
         await attach(stub, "kept", "alive")
@@ -317,18 +317,20 @@ async def test_orphaned_sessions_are_released_after_the_grace() -> None:
         alive = RunClient(stub, "alive")
         alive.send(sub("k", "kept", APPEND, seq=1, data=pcm(noise(1))))
         await alive.until(lambda m: any(u.input_seq == 1 for u in m.updates))
+        assert sample(streams) == 2
         with pytest.raises(grpc.aio.AioRpcError) as full:
             await attach(stub, "new1", "alive")
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         run.close()
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: sample(streams) == 1)  # the worker saw the stream end: grace runs
         # Within the grace the owner may come back and carry on with its sessions.
         back = RunClient(stub, "crashed")
         back.send(sub("r1", "gone1", APPEND, seq=2, data=pcm(noise(1))))
         await back.until(lambda m: any(u.input_seq == 2 for u in m.updates))
+        assert sample(released) == released_before  # nothing was released meanwhile
         back.close()
-        await asyncio.sleep(0.8)
-        # Past the grace: its sessions are released, capacity is back, the live owner's stays.
+        # Past the grace: its two sessions are released, capacity is back, the live owner's stays.
+        await wait_until(lambda: sample(released) - released_before == 2)
         await attach(stub, "new1", "alive")
         await attach(stub, "new2", "alive")
         resp = await stub.Attach(

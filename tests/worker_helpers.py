@@ -156,6 +156,14 @@ class RunClient:
         self.call.cancel()
 
 
+async def wait_until(pred: Callable[[], bool], *, within: float = 10.0, every: float = 0.01) -> None:
+    """Until ``pred()`` holds (checked every ``every`` s), for state with no event to await (a
+    metric, a gauge); ``within`` is a backstop, not a timing claim."""
+    async with asyncio.timeout(within):
+        while not pred():  # noqa: ASYNC110  (no event to await: polled state)
+            await asyncio.sleep(every)
+
+
 def updates_of(msgs: list[worker_pb2.StepOutput], request_id: str) -> list[worker_pb2.RequestUpdate]:
     return [u for m in msgs for u in m.updates if u.request_id == request_id]
 
