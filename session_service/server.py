@@ -49,6 +49,7 @@ class SessionServer:
     def __init__(self, config: ServiceConfig, plugin: DuplexModelPlugin, *, clock: Clock = MONOTONIC) -> None:
         self.config = config
         self.plugin = plugin
+        self._clock = clock
         self.registry = SessionRegistry()
         self.router = Router(self.registry)
         self.pool: WorkerPool[WorkerLink] = WorkerPool(
@@ -79,6 +80,7 @@ class SessionServer:
             on_health=on_health,
             backoff_max_s=self.config.worker_backoff_max_s,
             stall_timeout_s=self.config.worker_stall_timeout_s,
+            clock=self._clock,
         )
 
     @property

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from duplex.clock import MONOTONIC, Clock
 from duplex.errors import ErrorCode, UnavailableError, from_rpc_error
 from duplex.serving import CHANNEL_OPTIONS
 from duplex.v1 import worker_pb2, worker_pb2_grpc
@@ -75,8 +76,11 @@ class WorkerLink:
         on_health: Callable[[], None],
         backoff_max_s: float = 5.0,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        clock: Clock = MONOTONIC,
     ) -> None:
+        """``clock``: what the stall watchdog and the liveness record measure time on."""
         self.address = address
+        self._clock = clock
         WORKER_STALLS.labels(worker=address)  # present at 0 from the start, for alerts
         self.owner = owner
         self._plugin = plugin
@@ -99,7 +103,7 @@ class WorkerLink:
         self._stall_timeout_s = stall_timeout_s
         # A lockstep model (one that needs silence continuation) replies only as input arrives,
         # so its RESPOND owes nothing by itself; a free-running model's RESPOND owes a step.
-        self.liveness = Liveness(respond_answers=not plugin.silence_continuation)
+        self.liveness = Liveness(respond_answers=not plugin.silence_continuation, clock=clock.now)
         self.stalls = 0
         """Times this link was declared stalled (lost without the stream breaking)."""
 
@@ -242,11 +246,11 @@ class WorkerLink:
         """
         timeout = self._stall_timeout_s
         interval = min(0.5, max(0.05, timeout / 4))
-        loop = asyncio.get_running_loop()
-        due = loop.time() + interval
+        clock = self._clock
+        due = clock.now() + interval
         while True:
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            now = loop.time()
+            await clock.sleep(max(0.0, due - clock.now()))
+            now = clock.now()
             late = now - due > interval
             due = now + interval
             if late:

@@ -229,6 +229,10 @@ async def session_server(
     config.setdefault("replica_id", f"session-test-{uuid.uuid4().hex[:8]}")
     config.setdefault("resume_secret", uuid.uuid4().bytes)
     config.setdefault("drain_grace_s", 1.0)
+    # The stall watchdog runs on the same clock: keep its real-time timeout what it always is.
+    config.setdefault(
+        "worker_stall_timeout_s", ServiceConfig(plugin="", workers=()).worker_stall_timeout_s * clock_speed
+    )
     if runner is not None:
         config["runner"] = runner
     cfg = ServiceConfig(plugin=plugin, workers=tuple(workers), **config)
