@@ -40,6 +40,7 @@ from session_service.placement import WorkerPool, rendezvous_pick, rendezvous_ra
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
 from session_service.worker_link import WorkerLink
+from tests.fakes import ManualClock
 from tests.procs import ServiceProcess, start_all, start_service
 from tests.session_helpers import (
     Conversation,
@@ -820,10 +821,14 @@ def test_liveness_owes_only_what_the_worker_must_answer() -> None:
 
 
 class _FakeWorker(worker_pb2_grpc.DuplexWorkerServicer):
-    """A parrot-shaped worker that answers APPENDs (``answer``) or owes them forever (hung)."""
+    """A parrot-shaped worker that answers APPENDs (``answer``) or owes them forever (hung).
+
+    An answer reports the input consumed up to ``behind`` appends before the one just read, so
+    with ``behind`` 1 the worker is never quite done: it always owes the newest append."""
 
     def __init__(self) -> None:
         self.answer = True
+        self.behind = 0
         self.streams = 0
 
     async def Describe(self, request: Any, context: Any) -> worker_pb2.WorkerDescription:
@@ -840,7 +845,8 @@ class _FakeWorker(worker_pb2_grpc.DuplexWorkerServicer):
             async for cmd in request_iterator:
                 for sub in cmd.submit:
                     if self.answer and sub.kind == APPEND:
-                        out.put_nowait(_update(sub.request_id, sub.fence.epoch, input_seq=sub.seq))
+                        seq = sub.seq - self.behind
+                        out.put_nowait(_update(sub.request_id, sub.fence.epoch, input_seq=seq))
 
         reader = asyncio.create_task(read())
         try:
@@ -851,16 +857,25 @@ class _FakeWorker(worker_pb2_grpc.DuplexWorkerServicer):
 
 
 async def test_link_stalls_only_when_the_worker_owes_output_and_comes_back() -> None:
+    # The watchdog runs on a manual clock (the stream itself in real time): "quiet for the
+    # timeout" is exactly that much of the clock's time, however fast this machine is.
     fake = _FakeWorker()
     server = grpc.aio.server()
     worker_pb2_grpc.add_DuplexWorkerServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    lost: list[float] = []
+    clock = ManualClock()
+    timeout, tick = 0.2, 0.05  # the link's watchdog polls every timeout / 4
+    lost: list[WorkerLink] = []
+    steps: list[worker_pb2.StepOutput] = []
     changed = asyncio.Event()
 
-    def on_lost(_link: WorkerLink) -> None:
-        lost.append(time.monotonic())
+    def on_lost(gone: WorkerLink) -> None:
+        lost.append(gone)
+        changed.set()
+
+    def on_step(_link: WorkerLink, step: worker_pb2.StepOutput) -> None:
+        steps.append(step)
         changed.set()
 
     async def until(pred: Callable[[], bool], within: float) -> None:
@@ -873,40 +888,57 @@ async def test_link_stalls_only_when_the_worker_owes_output_and_comes_back() -> 
         f"127.0.0.1:{port}",
         owner="replica-a",
         plugin=ParrotPlugin(),
-        on_step=lambda _link, _step: None,
+        on_step=on_step,
         on_lost=on_lost,
         on_health=changed.set,
         backoff_max_s=0.2,
-        stall_timeout_s=0.2,
+        stall_timeout_s=timeout,
+        clock=clock,
     )
     link.start()
 
-    async def appends(n: int, *, first: int) -> None:
-        for seq in range(first, first + n):
+    async def answered_work(n: int) -> None:
+        """``n`` appends, half a timeout of the clock apart, the worker owing input all along
+        (each answer reports all but the newest append consumed); then the last is consumed."""
+        fake.behind = 1
+        for seq in range(1, n + 1):
+            heard = len(steps)
             await link.submit([_sub(APPEND, seq=seq)])
-            await asyncio.sleep(0.02)
+            await until(lambda: len(steps) > heard, 5)  # noqa: B023 (awaited here)
+            assert link.liveness.owing == 1
+            await clock.advance(timeout / 2, step=tick)
+        fake.behind = 0
+        heard = len(steps)
+        await link.submit([_sub(APPEND, seq=n + 1)])
+        await until(lambda: len(steps) > heard, 5)
+        assert link.liveness.owing == 0
 
     try:
         await until(lambda: link.healthy, 5)
         # Idle for five stall timeouts: nothing is owed, so nothing is stalled.
-        await asyncio.sleep(1.0)
-        # A worker that answers is not stalled either, however long the work goes on.
-        await appends(20, first=1)
-        await asyncio.sleep(0.5)
+        await clock.advance(5 * timeout, step=tick)
+        # A worker that answers is not stalled either, however long the work goes on (here
+        # ten timeouts, with input owed throughout).
+        await answered_work(20)
+        await clock.advance(5 * timeout, step=tick)
         assert (link.healthy, link.generation, link.stalls, lost) == (True, 1, 0, [])
-        # The worker hangs with input owed: lost within the timeout (plus a watchdog tick) ...
+        # The worker hangs with input owed: not lost before the timeout ...
         fake.answer = False
-        t_hang = time.monotonic()
-        with contextlib.suppress(ConnectionError, DuplexError):
-            await appends(3, first=21)
-        await until(lambda: bool(lost), 2)
-        assert 0.2 <= lost[0] - t_hang < 0.8 and link.stalls == 1
+        for seq in range(21, 24):
+            await link.submit([_sub(APPEND, seq=seq)])
+        await clock.advance(timeout - tick, step=tick)
+        assert (link.healthy, link.stalls, lost) == (True, 0, [])
+        # ... lost once it has passed (by a watchdog tick), and counted once ...
+        await clock.advance(2 * tick, step=tick)
+        await until(lambda: bool(lost), 5)
+        assert link.stalls == 1
         # ... and the link reconnects with backoff; a worker that answers again keeps it.
         fake.answer = True
         await until(lambda: link.healthy, 5)
-        await appends(10, first=1)
-        await asyncio.sleep(0.5)
+        await answered_work(10)
+        await clock.advance(5 * timeout, step=tick)
         assert (link.healthy, link.generation, link.stalls, len(lost)) == (True, 2, 1, 1)
+        assert fake.streams == 2
     finally:
         await link.close()
         await server.stop(None)
