@@ -191,13 +191,15 @@ async def worker_server(
 ) -> AsyncIterator[WorkerServer]:
     """One in-process worker on a free port, its model loaded; stopped afterwards.
 
-    ``config``: ``WorkerConfig`` fields (defaults: cpu, one torch thread, no /metrics)."""
+    ``config``: ``WorkerConfig`` fields (defaults: a free port of 127.0.0.1, cpu, one torch
+    thread, no /metrics)."""
+    config.setdefault("listen", "127.0.0.1:0")
     config.setdefault("device", "cpu")
     config.setdefault("torch_threads", 1)
     config.setdefault("metrics_port", -1)
     config.setdefault("drain_grace_s", 0.2)
     server = WorkerServer(
-        WorkerConfig(model=model, listen="127.0.0.1:0", model_options=dict(model_options or {}), **config)
+        WorkerConfig(model=model, model_options=dict(model_options or {}), **config)
     )
     try:
         await asyncio.wait_for(server.start(), 60)

@@ -1,13 +1,20 @@
-"""Losing a worker and getting it back, with real processes: one session service, two parrot workers.
+"""Losing a worker and getting it back: one session service, two parrot workers.
 
-- ``kill -9`` of one worker fails exactly its sessions (``worker_unavailable``, retryable; an active
-  response ends FAILED) and nothing else: the other worker's sessions finish their turns with the
-  right content, and no session ever hears another's audio.
+- ``kill -9`` of one worker process fails exactly its sessions (``worker_unavailable``,
+  retryable; an active response ends FAILED) and nothing else: the other worker's sessions
+  finish their turns with the right content, and no session ever hears another's audio.
 - A session whose worker died goes on with its next turn on a healthy worker (its model state,
   e.g. the VAD state and any uncommitted input, is lost with the worker; the session is not).
+- A hung worker process (SIGSTOP: its connection stays up) is dropped by the stall timeout and
+  taken back when it answers again.
 - Placement is rendezvous over the HEALTHY workers only; health stays SERVING while one worker is
   reachable, goes NOT_SERVING without any, and comes back when a worker is restarted on its old
   address (the link reconnects with backoff), after which old and new sessions use it.
+
+The workers that get SIGKILL or SIGSTOP are real processes (only a process shows those); the
+session service is in this process (``tests.session_helpers.session_server``), and so is the
+whole stack of the placement test, where a worker is lost by stopping its server and restarted
+by a new one on the same port.
 
 In process (races a real kill can hit but a test cannot time): placement skips a worker that
 does not answer its Attach or whose stream changed meanwhile, and never goes around a fencing
@@ -21,8 +28,8 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -39,22 +46,22 @@ from session_service.liveness import Liveness
 from session_service.placement import WorkerPool, rendezvous_pick, rendezvous_rank
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
+from session_service.server import SessionServer
 from session_service.worker_link import WorkerLink
 from tests.fakes import ManualClock
-from tests.procs import ServiceProcess, start_all, start_service
+from tests.procs import ServiceProcess, start_all
 from tests.session_helpers import (
     Conversation,
     drain,
-    metric_value,
-    metrics_text,
     open_event,
-    session_args,
+    sample,
+    session_server,
     similarity,
     speech,
     to_16k,
     utterance_pcm,
-    wait_metric,
     worker_args,
+    worker_server,
 )
 from worker_service.models.parrot import parrot_reply
 
@@ -64,16 +71,36 @@ PITCH = -3.0
 FRAME = 512
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-WORKERS_HEALTHY = "duplex_session_workers_healthy"
+#: The session tier's metrics read here (only the in-process session service writes them).
+PLACED = "duplex_session_worker_sessions"
+ERRORS = "duplex_session_errors_total"
+STALLS = "duplex_session_worker_stalls_total"
+LOST = {"code": "worker_unavailable"}
+#: Sessions are never closed for idleness during a test.
+RUNNER = {"idle_timeout_s": 60}
+
+
+class Placed:
+    """Sessions the session service holds on each worker: its placement gauge, relative to its
+    value when this was made (an earlier test in this process may have used the same port)."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self.addresses = list(addresses)
+        self.before = [sample(PLACED, {"worker": a}) for a in self.addresses]
+
+    def __call__(self, worker: int) -> float:
+        return sample(PLACED, {"worker": self.addresses[worker]}) - self.before[worker]
 
 
 @dataclass
 class Stack:
-    """Two workers and a session service; every process ever started is stopped by its pid."""
+    """Two worker processes and a session service in this process in front of them."""
 
     workers: list[ServiceProcess]
-    session: ServiceProcess
-    started: list[ServiceProcess] = field(default_factory=list)
+    session: SessionServer
+    placed: Placed
+    lost_before: float
+    """The session service's ``worker_unavailable`` errors before the test."""
 
     @property
     def addresses(self) -> list[str]:
@@ -85,49 +112,37 @@ class Stack:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
 
-    def restart(self, i: int) -> ServiceProcess:
-        """A fresh worker process on worker ``i``'s old address."""
-        _, port = split_host_port(self.workers[i].grpc)
-        w = start_service(worker_args(port=port, device="cpu"))
-        self.started.append(w)
-        assert w.grpc == self.workers[i].grpc
-        self.workers[i] = w
-        return w
 
-
-@contextlib.contextmanager
-def running(*session_extra: str) -> Iterator[Stack]:
-    started: list[ServiceProcess] = []  # every process, restarted workers included
-    session: ServiceProcess | None = None
+@contextlib.asynccontextmanager
+async def running(**session_config: Any) -> AsyncIterator[Stack]:
+    """Two worker processes (started in parallel) and the session service (``session_config``:
+    ``ServiceConfig`` fields), once both workers are healthy; every worker process is stopped
+    by its pid afterwards."""
+    started: list[ServiceProcess] = []
     try:
-        workers = start_all([worker_args(device="cpu") for _ in range(2)], started)
-        session = start_service(
-            session_args([w.grpc for w in workers], "--idle-timeout-s", "60", *session_extra)
-        )
-        wait_metric(session.metrics, WORKERS_HEALTHY, 2.0, timeout=20)
-        yield Stack(workers, session, started)
+        workers = await asyncio.to_thread(start_all, [worker_args(device="cpu") for _ in range(2)], started)
+        addresses = [w.grpc for w in workers]
+        async with session_server(addresses, runner=RUNNER, **session_config) as session:
+            yield Stack(workers, session, Placed(addresses), sample(ERRORS, LOST))
     finally:
         # A worker a test stopped (SIGSTOP) is continued first, so that it can drain.
         for w in started:
             if w.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGCONT)
-        # The session service first (it drains), then every worker.
-        for proc in [session, *started]:
-            if proc is not None:
-                proc.terminate(timeout=10)
+        await asyncio.gather(*(asyncio.to_thread(w.terminate, 10) for w in started))
 
 
 @pytest.fixture
-def stack() -> Iterator[Stack]:
-    with running() as s:
+async def stack() -> AsyncIterator[Stack]:
+    async with running() as s:
         yield s
 
 
 @pytest.fixture
-def stall_stack() -> Iterator[Stack]:
+async def stall_stack() -> AsyncIterator[Stack]:
     """The stack with a 1 s worker stall timeout (keepalive would take about 40 s)."""
-    with running("--worker-stall-timeout-s", "1") as s:
+    async with running(worker_stall_timeout_s=1.0) as s:
         yield s
 
 
@@ -163,13 +178,26 @@ async def wait_health(address: str, want: int, *, within: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def wait_healthy_workers(metrics: str, n: float, *, within: float) -> None:
-    await asyncio.to_thread(wait_metric, metrics, WORKERS_HEALTHY, n, timeout=within)
+async def wait_links(server: SessionServer, n: int, *, within: float) -> None:
+    """Until exactly ``n`` of the session service's worker links are healthy (the count its
+    ``duplex_session_workers_healthy`` shows)."""
+    changed = asyncio.Event()
 
+    def listener(_ok: bool) -> None:
+        changed.set()
 
-def placed(stack: Stack, worker: int) -> float:
-    text = metrics_text(stack.session.metrics)
-    return metric_value(text, "duplex_session_worker_sessions", f'worker="{stack.addresses[worker]}"') or 0.0
+    server.pool.health_listeners.append(listener)
+    try:
+        async with asyncio.timeout(within):
+            while len(server.pool.healthy()) != n:
+                changed.clear()
+                await changed.wait()
+    except TimeoutError:
+        raise AssertionError(
+            f"{len(server.pool.healthy())} healthy workers, want {n}, after {within}s"
+        ) from None
+    finally:
+        server.pool.health_listeners.remove(listener)
 
 
 def open_session() -> session_pb2.ClientEvent:
@@ -261,15 +289,13 @@ async def close_all_checked(convs: Sequence[Conversation]) -> None:
     await asyncio.gather(*(c.wait_done() for c in convs))
 
 
-def assert_lost_counted(stack: Any, victims: int) -> None:
-    text = metrics_text(stack.session.metrics)
-    lost = metric_value(text, "duplex_session_errors_total", 'code="worker_unavailable"')
-    assert (lost or 0) >= victims
+def assert_lost_counted(stack: Stack, victims: int) -> None:
+    assert sample(ERRORS, LOST) - stack.lost_before >= victims
 
 
 @pytest.mark.process
 async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack: Stack) -> None:
-    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+    async with grpc.aio.insecure_channel(stack.session.address) as ch:
         # Open sessions until each worker holds at least two (rendezvous over both workers).
         convs: list[Conversation] = []
         on: dict[int, list[Conversation]] = {0: [], 1: []}
@@ -279,7 +305,7 @@ async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack
             sid = (await conv.wait_kind("opened")).opened.session_id
             convs.append(conv)
             on[stack.addresses.index(rendezvous_pick(sid, stack.addresses) or "")].append(conv)
-        assert (placed(stack, 0), placed(stack, 1)) == (len(on[0]), len(on[1]))
+        assert (stack.placed(0), stack.placed(1)) == (len(on[0]), len(on[1]))
         victims, survivors = on[0], on[1]
         talking_victims, talking_survivors = victims[:2], survivors[:2]
 
@@ -313,8 +339,8 @@ async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack
                 assert c.kinds().index("response_done") < i_err
                 assert "audio_delta" not in c.kinds()[i_err:], "audio after the worker was lost"
         # The health and the healthy-worker count reflect one worker left, still SERVING.
-        await wait_healthy_workers(stack.session.metrics, 1.0, within=5)
-        assert await health(stack.session.grpc) == SERVING
+        await wait_links(stack.session, 1, within=5)
+        assert await health(stack.session.address) == SERVING
 
         # Survivors were not disturbed: full, correct replies, no errors.
         s_turns = await survivor_turns
@@ -338,76 +364,91 @@ async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack
         assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in a_done), a_done
         assert_own_content(again, [t.reply(d.response_id) for t, d in zip(again, a_done, strict=True)])
         # Only sessions that submitted since are placed again (idle ones move on their next event).
-        assert (placed(stack, 0), placed(stack, 1)) == (0, len(survivors) + len(talking_victims))
+        assert (stack.placed(0), stack.placed(1)) == (0, len(survivors) + len(talking_victims))
         await close_all_checked(convs)
     assert_lost_counted(stack, len(victims))
 
 
-@pytest.mark.process
-async def test_placement_health_and_reconnect_after_worker_loss(stack: Stack) -> None:
+async def test_placement_health_and_reconnect_after_worker_loss() -> None:
+    # All in process: a worker is lost when its server stops (its streams end, its port closes),
+    # and restarted as a new server on the same port. (A SIGKILLed process: the test above.)
+    # Replies are paced by silence continuation, here at 4x (the checks are of content and
+    # events); the reconnect backoff is capped at 0.5 s (the default 5 s cap would make the wait
+    # for the restarted worker anything up to ~2.5 s, by the jitter of a backoff grown while it
+    # was down).
     dead, alive = 0, 1
-    stack.kill(dead)
-    await wait_healthy_workers(stack.session.metrics, 1.0, within=5)
-    assert await health(stack.session.grpc) == SERVING
-    both = list(stack.addresses)
-    async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
-        # New sessions go only to the surviving worker, including ones whose first choice is dead.
-        convs: list[Conversation] = []
-        homeless: list[Conversation] = []
-        while len(convs) < 3 or not homeless:
-            assert len(convs) < 16, "no session id ever preferred the dead worker"
-            conv = Conversation(ch).start(open_session())
-            sid = (await conv.wait_kind("opened")).opened.session_id
-            convs.append(conv)
-            if rendezvous_pick(sid, both) == both[dead]:
-                homeless.append(conv)
-        assert (placed(stack, dead), placed(stack, alive)) == (0, len(convs))
-        talkers = [homeless[0], next(c for c in convs if c is not homeless[0])]
-        turns = await asyncio.gather(*(Turn.speak(c, speech(k)) for k, c in enumerate(talkers)))
-        done = [await t.done() for t in turns]
-        assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in done), done
-        assert_own_content(turns, [t.reply(d.response_id) for t, d in zip(turns, done, strict=True)])
+    async with contextlib.AsyncExitStack() as workers_up:
+        workers = [await workers_up.enter_async_context(worker_server()) for _ in range(2)]
+        both = [w.address for w in workers]
+        async with (
+            session_server(both, runner=RUNNER, clock_speed=4.0, worker_backoff_max_s=0.5) as server,
+            grpc.aio.insecure_channel(server.address) as ch,
+        ):
+            placed = Placed(both)
+            await workers[dead].stop(grace=0)
+            await wait_links(server, 1, within=5)
+            assert await health(server.address) == SERVING
+            # New sessions go only to the surviving worker, including ones whose first choice is dead.
+            convs: list[Conversation] = []
+            homeless: list[Conversation] = []
+            while len(convs) < 3 or not homeless:
+                assert len(convs) < 16, "no session id ever preferred the dead worker"
+                conv = Conversation(ch).start(open_session())
+                sid = (await conv.wait_kind("opened")).opened.session_id
+                convs.append(conv)
+                if rendezvous_pick(sid, both) == both[dead]:
+                    homeless.append(conv)
+            assert (placed(dead), placed(alive)) == (0, len(convs))
+            talkers = [homeless[0], next(c for c in convs if c is not homeless[0])]
+            turns = await asyncio.gather(*(Turn.speak(c, speech(k)) for k, c in enumerate(talkers)))
+            done = [await t.done() for t in turns]
+            assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in done), done
+            assert_own_content(turns, [t.reply(d.response_id) for t, d in zip(turns, done, strict=True)])
 
-        # Both workers gone: NOT_SERVING, sessions told, new opens refused (retryable).
-        stack.kill(alive)
-        await wait_health(stack.session.grpc, NOT_SERVING, within=5)
-        for c in convs:
-            err = (await c.wait_kind("error", within=5)).error
-            assert err.code == "worker_unavailable" and err.retryable
-        refused = Conversation(ch).start(open_session())
-        await refused.wait_done()
-        assert refused.status == grpc.StatusCode.UNAVAILABLE and refused.error is not None
-        assert refused.error.code == "worker_unavailable" and refused.error.retryable, refused.error
-        # A session with no worker to go to gets a clear, retryable error and stays open.
-        survivor = talkers[0]
-        survivor.seq += 1
-        n_errors = len(survivor.of("error"))
-        survivor.send(
-            session_pb2.ClientEvent(
-                event_id="orphan",
-                append=session_pb2.InputAudioAppend(seq=survivor.seq, pcm=b"\x00" * 2 * FRAME),
+            # Both workers gone: NOT_SERVING, sessions told, new opens refused (retryable).
+            await workers[alive].stop(grace=0)
+            await wait_health(server.address, NOT_SERVING, within=5)
+            for c in convs:
+                err = (await c.wait_kind("error", within=5)).error
+                assert err.code == "worker_unavailable" and err.retryable
+            refused = Conversation(ch).start(open_session())
+            await refused.wait_done()
+            assert refused.status == grpc.StatusCode.UNAVAILABLE and refused.error is not None
+            assert refused.error.code == "worker_unavailable" and refused.error.retryable, refused.error
+            # A session with no worker to go to gets a clear, retryable error and stays open.
+            survivor = talkers[0]
+            survivor.seq += 1
+            n_errors = len(survivor.of("error"))
+            survivor.send(
+                session_pb2.ClientEvent(
+                    event_id="orphan",
+                    append=session_pb2.InputAudioAppend(seq=survivor.seq, pcm=b"\x00" * 2 * FRAME),
+                )
             )
-        )
-        err = (await survivor.wait_for(lambda e: e.HasField("error") and e.error.event_id == "orphan")).error
-        assert err.code == "worker_unavailable" and err.retryable, err
-        assert len(survivor.of("error")) == n_errors + 1 and "closed" not in survivor.kinds()
+            err = (
+                await survivor.wait_for(lambda e: e.HasField("error") and e.error.event_id == "orphan")
+            ).error
+            assert err.code == "worker_unavailable" and err.retryable, err
+            assert len(survivor.of("error")) == n_errors + 1 and "closed" not in survivor.kinds()
 
-        # A worker restarted on its old address: the link reconnects (with backoff), SERVING again.
-        await asyncio.to_thread(stack.restart, dead)
-        await wait_health(stack.session.grpc, SERVING, within=15)
-        await wait_healthy_workers(stack.session.metrics, 1.0, within=5)
-        # New sessions use it, and so does the old session whose worker died (its next turn).
-        fresh = Conversation(ch).start(open_session())
-        await fresh.wait_kind("opened")
-        back = list(await asyncio.gather(Turn.speak(fresh, speech(6)), Turn.speak(survivor, speech(7))))
-        done = [await t.done() for t in back]
-        assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in done), done
-        assert_own_content(back, [t.reply(d.response_id) for t, d in zip(back, done, strict=True)])
-        assert placed(stack, dead) == 2
-        for c in [*convs, fresh]:
-            assert_only_own_audio(c)
-            close(c)
-        await asyncio.gather(*(c.wait_done() for c in [*convs, fresh]))
+            # A worker restarted on its old address: the link reconnects (with backoff), SERVING again.
+            _, port = split_host_port(both[dead])
+            restarted = await workers_up.enter_async_context(worker_server(listen=f"127.0.0.1:{port}"))
+            assert restarted.address == both[dead]
+            await wait_health(server.address, SERVING, within=15)
+            await wait_links(server, 1, within=5)
+            # New sessions use it, and so does the old session whose worker died (its next turn).
+            fresh = Conversation(ch).start(open_session())
+            await fresh.wait_kind("opened")
+            back = list(await asyncio.gather(Turn.speak(fresh, speech(6)), Turn.speak(survivor, speech(7))))
+            done = [await t.done() for t in back]
+            assert all(d.status == session_pb2.RESPONSE_STATUS_COMPLETED for d in done), done
+            assert_own_content(back, [t.reply(d.response_id) for t, d in zip(back, done, strict=True)])
+            assert placed(dead) == 2
+            for c in [*convs, fresh]:
+                assert_only_own_audio(c)
+                close(c)
+            await asyncio.gather(*(c.wait_done() for c in [*convs, fresh]))
 
 
 async def babble(conv: Conversation, stop: asyncio.Event) -> None:
@@ -441,11 +482,12 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
     # (1 s here) notices it, long before keepalive (30 s + 10 s) would.
     stack = stall_stack
     hung_pid = stack.workers[0].pid
+    stalls_before = sample(STALLS, {"worker": stack.addresses[0]})
     stopped = False
     stop_babble = asyncio.Event()
     babblers: list[asyncio.Task[None]] = []
     try:
-        async with grpc.aio.insecure_channel(stack.session.grpc) as ch:
+        async with grpc.aio.insecure_channel(stack.session.address) as ch:
             on: dict[int, list[Conversation]] = {0: [], 1: []}
             convs: list[Conversation] = []
             while min(len(v) for v in on.values()) < 2:
@@ -454,7 +496,7 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
                 sid = conv.events[0].opened.session_id
                 on[stack.addresses.index(rendezvous_pick(sid, stack.addresses) or "")].append(conv)
                 assert len(convs) < 24
-            assert (placed(stack, 0), placed(stack, 1)) == (len(on[0]), len(on[1]))
+            assert (stack.placed(0), stack.placed(1)) == (len(on[0]), len(on[1]))
             victims, survivors = on[0], on[1]
             talker, quiet = survivors[0], [*victims, *survivors[1:]]
             babblers = [asyncio.create_task(babble(c, stop_babble)) for c in quiet]
@@ -470,13 +512,9 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
             for c, mark in zip(victims, marks, strict=True):
                 err = (await c.wait_kind("error", start=mark, within=6)).error
                 assert err.code == "worker_unavailable" and err.retryable, err
-            await wait_healthy_workers(stack.session.metrics, 1.0, within=2)
-            assert await health(stack.session.grpc) == SERVING
-            stalls = metric_value(
-                metrics_text(stack.session.metrics),
-                "duplex_session_worker_stalls_total",
-                f'worker="{stack.addresses[0]}"',
-            )
+            await wait_links(stack.session, 1, within=2)
+            assert await health(stack.session.address) == SERVING
+            stalls = sample(STALLS, {"worker": stack.addresses[0]}) - stalls_before
             assert stalls == 1.0, stalls  # counted, on the hung worker's label
             # Its sessions go on on the healthy worker (their next appends are acked there).
             for c, mark in zip(victims, marks, strict=True):
@@ -494,22 +532,22 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
             # New sessions go to the healthy worker, even those whose first choice is hung.
             homeless, opened = await open_until(ch, stack, lambda i: i == 0)
             convs.extend(opened)
-            assert placed(stack, 0) == 0
+            assert stack.placed(0) == 0
 
             # The worker answers again: the link reconnects and new sessions use it.
             # Still out while hung (a reconnect needs the worker to answer Describe).
-            assert metric_value(metrics_text(stack.session.metrics), WORKERS_HEALTHY) == 1.0
+            assert len(stack.session.pool.healthy()) == 1
             os.kill(hung_pid, signal.SIGCONT)
             stopped = False
-            await wait_healthy_workers(stack.session.metrics, 2.0, within=10)
-            assert await health(stack.session.grpc) == SERVING
+            await wait_links(stack.session, 2, within=10)
+            assert await health(stack.session.address) == SERVING
             back, opened = await open_until(ch, stack, lambda i: i == 0)
             convs.extend(opened)
             t = await Turn.speak(back, speech(6))
             done = await t.done()
             assert done.status == session_pb2.RESPONSE_STATUS_COMPLETED, done
             assert_own_content([t], [t.reply(done.response_id)])
-            assert placed(stack, 0) == 1
+            assert stack.placed(0) == 1
             assert back.of("error") == [] and homeless.of("error") == []
 
             stop_babble.set()
