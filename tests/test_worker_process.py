@@ -1,7 +1,9 @@
-"""The real ``duplex worker`` process: listening line, device selection, /metrics, SIGTERM."""
+"""The real ``duplex worker`` process: listening line, device selection, /metrics, SIGTERM; and
+the CLI's refusal of a bad device (in this process: it refuses before starting anything)."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import urllib.request
 
@@ -10,10 +12,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from duplex.cli import main
 from duplex.v1 import worker_pb2, worker_pb2_grpc
 from tests.worker_helpers import worker_process
-
-pytestmark = pytest.mark.process
 
 METRIC_NAMES = (
     "duplex_worker_step_duration_seconds",
@@ -26,6 +27,7 @@ METRIC_NAMES = (
 )
 
 
+@pytest.mark.process
 def test_process_serves_describes_exposes_metrics_and_exits_on_sigterm() -> None:
     with worker_process("--model", "parrot", "--device", "auto") as (proc, info):
         assert info["grpc"].startswith("127.0.0.1:") and info["metrics"].startswith("127.0.0.1:")
@@ -44,22 +46,21 @@ def test_process_serves_describes_exposes_metrics_and_exits_on_sigterm() -> None
         assert proc.stdout is not None and proc.stdout.read() == ""  # exactly one stdout line
 
 
-def test_bad_device_is_refused() -> None:
-    import subprocess
-    import sys
-
-    from tests.worker_helpers import ROOT
-
-    res = subprocess.run(
-        [sys.executable, "-m", "duplex", "worker", "--device", "tpu", "--listen", "127.0.0.1:0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert res.returncode == 2 and "device" in res.stderr and res.stdout == ""
+def test_bad_device_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # The CLI's own refusal (``duplex worker``'s exit code and message), in this process: it
+    # refuses before it binds, serves or announces anything.
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # the CLI configures logging
+    try:
+        code = main(["worker", "--device", "tpu", "--listen", "127.0.0.1:0"])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    assert code == 2 and "device" in err and out == ""
 
 
+@pytest.mark.process
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_worker_runs_parrot_on_the_gpu() -> None:
@@ -71,6 +72,7 @@ def test_cuda_worker_runs_parrot_on_the_gpu() -> None:
         assert proc.wait(timeout=15) == 0
 
 
+@pytest.mark.process
 async def test_process_answers_reflection_and_a_scripted_parrot_conversation() -> None:
     """The issue's done-when, against the real process: reflection, Attach, and a Run
     conversation (speech, silence, turn end, RESPOND) that yields the parrot's reply."""
