@@ -1,6 +1,7 @@
 """The session service end to end: one session service, two parrot workers, in this process
-(the ``stack`` fixture of tests/conftest.py); what only a process shows -- SIGTERM, the CLI's exit
-code -- with a real ``duplex session`` process.
+(the ``stack`` fixture of tests/conftest.py); what only a process shows -- SIGTERM and its drain --
+with a real ``duplex session`` process. The CLI's refusal of a bad plugin (its exit code and
+message) is its ``main`` called in this process.
 
 Checks by CONTENT that every caller gets back only its own reply, that no audio of a cancelled
 epoch follows ``audio_cancelled``, that bad input gets its stable code (or call status) while
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 
 import grpc
 import numpy as np
@@ -20,9 +19,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, StreamConverter, decode, encode
+from duplex.cli import main
 from duplex.v1 import common_pb2, session_pb2
 from session_service.placement import rendezvous_pick
-from tests.procs import REPO, start_service
+from tests.procs import start_service
 from tests.session_helpers import (
     Conversation,
     InProcessStack,
@@ -62,6 +62,7 @@ async def _reply(
     return done.response_done, pcm
 
 
+@pytest.mark.stack(clock_speed=4.0)  # replies paced by silence continuation at 4x (content is checked)
 async def test_sixteen_sessions_each_get_only_their_own_reply(stack: InProcessStack) -> None:
     voices = [speech(i) for i in range(16)]
     workers = stack.worker_addresses
@@ -138,14 +139,17 @@ def best_expected(
     return best
 
 
+@pytest.mark.stack(clock_speed=4.0)  # the reply is paced by silence continuation: at 4x
 async def test_barge_in_mid_reply_leaves_no_cancelled_audio(stack: InProcessStack) -> None:
     # A long utterance (all voices back to back, the worker caps it at 15 s) makes a reply long
-    # enough to interrupt even on a worker that steps much faster than real time.
+    # enough to interrupt even on a worker that steps much faster than real time (and with the
+    # session's silence continuation at 4x: about 4 s).
     voice = np.concatenate([speech(i) for i in range(16)])
     events_before = sample_sum("duplex_session_events_total")
     async with grpc.aio.insecure_channel(stack.target) as ch:
         conv = Conversation(ch).start(open_event(extra_body={"silence_ms": 1500}))
         await conv.wait_kind("opened")
+        cancelled: list[tuple[int, session_pb2.AudioCancelled]] = []  # where, and what
         cancelled_mid_reply = False
         for attempt in range(3):
             start = len(conv.events)
@@ -156,17 +160,13 @@ async def test_barge_in_mid_reply_leaves_no_cancelled_audio(stack: InProcessStac
             conv.send(session_pb2.ClientEvent(event_id=f"barge{attempt}", barge_in=session_pb2.BargeIn()))
             ac_ev = await conv.wait_kind("audio_cancelled", start=start)
             ac = ac_ev.audio_cancelled
-            await asyncio.sleep(0.5)  # anything in flight from the worker would arrive now
-            after = conv.events[conv.events.index(ac_ev) + 1 :]
-            stale = [
-                e for e in after if e.HasField("audio_delta") and e.audio_delta.epoch <= ac.cancelled_epoch
-            ]
-            assert stale == [], f"{len(stale)} audio deltas of the cancelled epoch after audio_cancelled"
+            i_ac = conv.events.index(ac_ev)
+            cancelled.append((i_ac, ac))
             assert ac.epoch == ac.cancelled_epoch + 1
             if ac.response_id:
-                done = [e for e in after if e.HasField("response_done")]
-                assert done[0].response_done.status == session_pb2.RESPONSE_STATUS_CANCELLED
-                assert done[0].response_done.reason == "barge_in"
+                done = (await conv.wait_kind("response_done", start=i_ac + 1)).response_done
+                assert done.status == session_pb2.RESPONSE_STATUS_CANCELLED
+                assert done.reason == "barge_in"
                 cancelled_mid_reply = True
                 break
             conv.seq = 0  # the epoch advanced anyway: seq restarts
@@ -187,6 +187,15 @@ async def test_barge_in_mid_reply_leaves_no_cancelled_audio(stack: InProcessStac
         assert similarity(got, best_expected(n, got, heard, PCM16K_MONO, phase=phase)) > 0.8
         conv.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
         await conv.wait_done()
+    # No audio of a cancelled epoch came after its audio_cancelled, up to the end of the stream
+    # (a whole further turn later: anything that was in flight from the worker has arrived).
+    for i_ac, ac in cancelled:
+        stale = [
+            e
+            for e in conv.events[i_ac + 1 :]
+            if e.HasField("audio_delta") and e.audio_delta.epoch <= ac.cancelled_epoch
+        ]
+        assert stale == [], f"{len(stale)} audio deltas of the cancelled epoch after audio_cancelled"
     assert sample_sum("duplex_session_events_total") > events_before
 
 
@@ -384,15 +393,12 @@ async def test_health_reflection_and_metrics(stack: InProcessStack) -> None:
     assert "sess_" not in text  # no per-session labels
 
 
-@pytest.mark.process
-def test_unknown_plugin_path_refuses_to_start() -> None:
-    # The CLI itself: the plugin is loaded before any worker is dialled, so none is needed.
+def test_unknown_plugin_path_refuses_to_start(capsys: pytest.CaptureFixture[str]) -> None:
+    # The CLI's own refusal, in this process: the plugin is loaded before any worker is dialled
+    # (none is needed) and before anything is bound or served.
     for plugin in ("no_such_pkg.plugins:Nope", "session_service.plugins.parrot:Missing"):
-        proc = subprocess.run(
+        code = main(
             [
-                sys.executable,
-                "-m",
-                "duplex",
                 "session",
                 "--plugin",
                 plugin,
@@ -402,13 +408,10 @@ def test_unknown_plugin_path_refuses_to_start() -> None:
                 "127.0.0.1:0",
                 "--metrics-port",
                 "0",
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=30,
+            ]
         )
-        assert proc.returncode == 2 and "unknown plugin" in proc.stderr, proc.stderr
+        out, err = capsys.readouterr()
+        assert code == 2 and "unknown plugin" in err and out == "", err
 
 
 async def test_takeover_by_another_replica_fences_the_old_owner_then_drain(stack: InProcessStack) -> None:
