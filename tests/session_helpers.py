@@ -198,9 +198,7 @@ async def worker_server(
     config.setdefault("torch_threads", 1)
     config.setdefault("metrics_port", -1)
     config.setdefault("drain_grace_s", 0.2)
-    server = WorkerServer(
-        WorkerConfig(model=model, model_options=dict(model_options or {}), **config)
-    )
+    server = WorkerServer(WorkerConfig(model=model, model_options=dict(model_options or {}), **config))
     try:
         await asyncio.wait_for(server.start(), 60)
         yield server
