@@ -260,7 +260,7 @@ async def test_error_event_is_yielded_or_raised(fake):
 
 
 async def test_connect_failure_is_clear():
-    async with DuplexClient("127.0.0.1:1", connect_timeout_s=0.5) as client:
+    async with DuplexClient("127.0.0.1:1", connect_timeout_s=0.2) as client:
         with pytest.raises(ConnectError) as err:
             await client.open_session()
     assert err.value.code == "connect_failed"

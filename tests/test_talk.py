@@ -162,7 +162,15 @@ def test_talk_unreachable_target(tmp_path: Path, capsys: pytest.CaptureFixture[s
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = talk.main(
-        [str(HELLO), "-o", str(tmp_path / "r.wav"), "--target", f"127.0.0.1:{port}", "--connect-timeout", "1"]
+        [
+            str(HELLO),
+            "-o",
+            str(tmp_path / "r.wav"),
+            "--target",
+            f"127.0.0.1:{port}",
+            "--connect-timeout",
+            "0.2",
+        ]
     )
     err = capsys.readouterr().err
     assert code == 3, err
