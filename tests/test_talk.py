@@ -30,7 +30,8 @@ HELLO = example_path("hello.wav")
 FIXTURES = Path(__file__).parent / "fixtures"
 #: The session tier's clock 4x real time: the parrot is lockstep, so a reply plays out at the pace
 #: of the silence the session feeds it (tests.session_helpers.FastClock). For the tests that check
-#: a reply's events and content; the barge-in (which lands mid-reply) and the CLI run in real time.
+#: a reply's events and content (the CLI process too: it is the client, the clock is the session
+#: tier's); the barge-in (cut 300 ms after the first audio, a client-side time) runs in real time.
 FAST = pytest.mark.stack(clock_speed=4.0)
 TIMELINE = ("speech started", "speech stopped", "committed", "response started", "first audio")
 
@@ -102,6 +103,7 @@ async def test_talk_barge_in_truncates_reply(stack: InProcessStack, tmp_path: Pa
     assert abs(len(reply) / rate - 0.3) < 0.05
 
 
+@FAST
 @pytest.mark.process
 async def test_talk_cli_end_to_end(stack: InProcessStack, tmp_path: Path) -> None:
     """The real ``duplex talk`` process against the in-process stack: a 32-bit float WAV (which
