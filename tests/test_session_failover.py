@@ -116,8 +116,8 @@ class Stack:
 @contextlib.asynccontextmanager
 async def running(**session_config: Any) -> AsyncIterator[Stack]:
     """Two worker processes (started in parallel) and the session service (``session_config``:
-    ``ServiceConfig`` fields), once both workers are healthy; every worker process is stopped
-    by its pid afterwards."""
+    ``ServiceConfig`` fields), once both workers are healthy; every worker process is killed by
+    its pid afterwards (the session service is stopped first)."""
     started: list[ServiceProcess] = []
     try:
         workers = await asyncio.to_thread(start_all, [worker_args(device="cpu") for _ in range(2)], started)
@@ -125,12 +125,12 @@ async def running(**session_config: Any) -> AsyncIterator[Stack]:
         async with session_server(addresses, runner=RUNNER, **session_config) as session:
             yield Stack(workers, session, Placed(addresses), sample(ERRORS, LOST))
     finally:
-        # A worker a test stopped (SIGSTOP) is continued first, so that it can drain.
+        # SIGKILL, stopped (SIGSTOP) or not: a worker's own SIGTERM drain is not what these tests
+        # check (test_worker_process does), and it takes a process most of a second.
         for w in started:
             if w.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, signal.SIGCONT)
-        await asyncio.gather(*(asyncio.to_thread(w.terminate, 10) for w in started))
+                w.proc.kill()
+        await asyncio.gather(*(asyncio.to_thread(w.proc.wait, 10) for w in started))
 
 
 @pytest.fixture
