@@ -367,9 +367,26 @@ def similarity(a: np.ndarray, b: np.ndarray) -> float:
     na, nb = np.linalg.norm(a), np.linalg.norm(b)
     if na == 0 or nb == 0:
         return 0.0
-    n = 1 << int(np.ceil(np.log2(len(a) + len(b))))
+    n = _fft_size(len(a) + len(b) - 1)
     corr = np.fft.irfft(np.fft.rfft(a, n) * np.conj(np.fft.rfft(b, n)), n)
     return float(np.max(np.abs(corr)) / (na * nb))
+
+
+def _fft_size(m: int) -> int:
+    """The smallest 2^i 3^j 5^k >= ``m``: any FFT size >= ``m`` gives every lag of the linear
+    correlation (no wrap-around), and these sizes are fast (a power of two can be twice as big)."""
+    best = 1 << max(m - 1, 0).bit_length()
+    p5 = 1
+    while p5 < best:
+        p35 = p5
+        while p35 < best:
+            p = p35
+            while p < m:
+                p *= 2
+            best = min(best, p)
+            p35 *= 3
+        p5 *= 5
+    return best
 
 
 def open_event(
