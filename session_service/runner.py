@@ -656,7 +656,12 @@ class SessionRunner:
         subs = self._plugin.plan_append(
             request_id=self.session_id, fence=self._fence(), seq=wseq, frames=self._silence_frame, params=None
         )
-        await self._submit(link, subs)
+        try:
+            await self._submit(link, subs)
+        except UnavailableError:
+            if self.link is not link:
+                return  # lost with its worker: the session was told of the loss already
+            raise
         if self.epoch == resp.epoch:
             self._worker_seq = wseq
             self._handed_on(link, wseq, 1)

@@ -221,7 +221,8 @@ class WorkerLink:
             for task in tasks:
                 with contextlib.suppress(BaseException):
                     await task
-            call.cancel()
+            with contextlib.suppress(asyncio.InvalidStateError):  # the RPC may have ended already
+                call.cancel()
 
     async def _read_loop(
         self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
@@ -286,6 +287,9 @@ class WorkerLink:
             try:
                 await call.write(cmd)
             except BaseException as exc:
+                # Sessions hear of the loss first (their response fails, their turn ends), then
+                # the writers waiting on this command: their failure is a consequence, not news.
+                self._lose()
                 for fut in pending.futures:
                     if not fut.done():
                         fut.set_exception(ConnectionError(f"worker stream write failed: {exc!r}"))

@@ -553,3 +553,41 @@ async def test_acks_are_never_held_when_the_bound_is_off() -> None:
     r = make_runner(link, max_unconsumed_input_ms=0)
     await _hand_on(r, range(1, 41))
     assert acks(drain(r)) == [(s, 1) for s in range(1, 41)]
+
+
+class _HoldingLink(FakeLink):
+    """Writes stay in flight until the test fails them (a worker lost mid-write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: list[asyncio.Future[None]] = []
+
+    def submit(self, subs):  # type: ignore[no-untyped-def]
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.subs.extend(subs)
+        self.in_flight.append(fut)
+        return fut
+
+
+async def test_a_silence_frame_lost_with_its_worker_reports_the_loss_once() -> None:
+    clock = ManualClock()
+    link = _HoldingLink()
+    r = make_runner(link, clock=clock)
+    r.on_output(None, None, [step_update(1, 0, turn_ended=True, committed_samples=8000)])
+    await settle()
+    await clock.advance(0.040, step=0.004)  # one silence frame is being written ...
+    assert [s.kind for s in link.subs] == [
+        worker_pb2.SUBMISSION_KIND_RESPOND,
+        worker_pb2.SUBMISSION_KIND_APPEND,
+    ]
+    drain(r)
+    # ... when the worker goes away: the link tells the sessions first, then fails the writes.
+    link.healthy = False
+    r.on_worker_lost(link)  # type: ignore[arg-type]
+    for fut in link.in_flight:
+        fut.set_exception(ConnectionError("worker went away"))
+    await settle()
+    evs = drain(r)
+    assert kinds(evs) == ["response_done", "error"], kinds(evs)
+    assert evs[0].response_done.status == session_pb2.RESPONSE_STATUS_FAILED
+    assert evs[1].error.code == "worker_unavailable"
