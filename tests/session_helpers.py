@@ -166,21 +166,31 @@ class FastClock:
         return asyncio.timeout(seconds / self.speed)
 
 
-async def wait_workers_healthy(server: SessionServer, n: int, *, within: float = 30.0) -> None:
-    """Until ``n`` of the replica's worker links are healthy (its ``duplex_session_workers_healthy``)."""
+async def wait_workers_healthy(
+    server: SessionServer, n: int, *, within: float = 30.0, exactly: bool = False
+) -> None:
+    """Until ``n`` (at least, or ``exactly``) of the replica's worker links are healthy (the count
+    its ``duplex_session_workers_healthy`` shows)."""
     changed = asyncio.Event()
 
     def listener(_ok: bool) -> None:
         changed.set()
 
+    def done() -> bool:
+        healthy = len(server.pool.healthy())
+        return healthy == n if exactly else healthy >= n
+
     server.pool.health_listeners.append(listener)
     try:
         async with asyncio.timeout(within):
-            while len(server.pool.healthy()) < n:
+            while not done():
                 changed.clear()
                 await changed.wait()
     except TimeoutError:
-        raise TimeoutError(f"{len(server.pool.healthy())} of {n} workers healthy after {within}s") from None
+        raise AssertionError(
+            f"{len(server.pool.healthy())} healthy workers, want {'' if exactly else 'at least '}{n}, "
+            f"after {within}s"
+        ) from None
     finally:
         server.pool.health_listeners.remove(listener)
 

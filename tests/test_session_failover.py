@@ -60,6 +60,7 @@ from tests.session_helpers import (
     speech,
     to_16k,
     utterance_pcm,
+    wait_workers_healthy,
     worker_args,
     worker_server,
 )
@@ -179,25 +180,8 @@ async def wait_health(address: str, want: int, *, within: float) -> None:
 
 
 async def wait_links(server: SessionServer, n: int, *, within: float) -> None:
-    """Until exactly ``n`` of the session service's worker links are healthy (the count its
-    ``duplex_session_workers_healthy`` shows)."""
-    changed = asyncio.Event()
-
-    def listener(_ok: bool) -> None:
-        changed.set()
-
-    server.pool.health_listeners.append(listener)
-    try:
-        async with asyncio.timeout(within):
-            while len(server.pool.healthy()) != n:
-                changed.clear()
-                await changed.wait()
-    except TimeoutError:
-        raise AssertionError(
-            f"{len(server.pool.healthy())} healthy workers, want {n}, after {within}s"
-        ) from None
-    finally:
-        server.pool.health_listeners.remove(listener)
+    """Until exactly ``n`` of the session service's worker links are healthy."""
+    await wait_workers_healthy(server, n, within=within, exactly=True)
 
 
 def open_session() -> session_pb2.ClientEvent:
