@@ -49,6 +49,8 @@ class ErrorCode(StrEnum):
     UNKNOWN_SESSION = "unknown_session"
     INVALID_RESUME_TOKEN = "invalid_resume_token"
     UNAUTHENTICATED = "unauthenticated"
+    NOT_SESSION_OWNER = "not_session_owner"
+    SESSION_CLOSED = "session_closed"
     CAPACITY_EXHAUSTED = "capacity_exhausted"
     FENCED = "fenced"
     STALE_EPOCH = "stale_epoch"
@@ -119,6 +121,12 @@ class UnauthenticatedError(DuplexError):
     status = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDeniedError(DuplexError):
+    """The caller is authenticated but may not do this (e.g. resume another principal's session)."""
+
+    status = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotFoundError(DuplexError):
     """The named session does not exist (any more)."""
 
@@ -156,6 +164,7 @@ _STATUS_TO_ERROR: dict[grpc.StatusCode, type[DuplexError]] = {
     for cls in (
         BadRequestError,
         UnauthenticatedError,
+        PermissionDeniedError,
         NotFoundError,
         CapacityError,
         FencedError,
@@ -235,6 +244,7 @@ def _default_code(status_code: grpc.StatusCode) -> str:
         grpc.StatusCode.UNAUTHENTICATED: ErrorCode.UNAUTHENTICATED,
         grpc.StatusCode.INVALID_ARGUMENT: ErrorCode.INVALID_EVENT,
         grpc.StatusCode.NOT_FOUND: ErrorCode.UNKNOWN_SESSION,
+        grpc.StatusCode.PERMISSION_DENIED: ErrorCode.NOT_SESSION_OWNER,
     }.get(status_code, ErrorCode.INTERNAL).value
 
 
@@ -248,6 +258,7 @@ __all__ = [
     "FencedError",
     "InternalError",
     "NotFoundError",
+    "PermissionDeniedError",
     "UnauthenticatedError",
     "UnavailableError",
     "WorkerErrorCode",

@@ -92,9 +92,13 @@ def add_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> Non
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
 
 
-def bind(server: grpc.aio.Server, listen: str) -> int:
-    """Bind an insecure port (``HOST:PORT``, port 0 = any free port); returns the bound port."""
-    port: int = server.add_insecure_port(listen)
+def bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind ``HOST:PORT`` (port 0 = any free port), with TLS when ``credentials`` are given;
+    returns the bound port."""
+    if credentials is None:
+        port: int = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, credentials)
     if port == 0:
         raise OSError(f"could not bind {listen}")
     return port

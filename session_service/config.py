@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from duplex.tls import ClientTLS, ServerTLS
 from session_service.resume import DEFAULT_MAX_AGE_S
 
 
@@ -75,3 +77,22 @@ class ServiceConfig:
     Keep it above the worker's slowest model step. 0 turns the check off."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     """Per-session limits."""
+    tls: ServerTLS | None = None
+    """TLS of the session API; with ``client_ca``, clients must present a certificate signed by
+    it, and its identity is their principal."""
+    auth_tokens: Path | None = None
+    """Bearer tokens: a file of ``PRINCIPAL:SHA256_HEX`` lines (the hex SHA-256 of each token),
+    re-read when it changes."""
+    auth_jwks: Path | None = None
+    """JWT bearer tokens verified against this local JWKS file (with ``auth_audience``)."""
+    auth_audience: str = ""
+    """The ``aud`` a JWT must carry."""
+    insecure: bool = False
+    """Serve without authentication on a non-loopback address (otherwise refused at start)."""
+    reflection: bool = True
+    """Serve gRPC server reflection (authenticated like the API)."""
+    max_sessions_per_principal: int = 0
+    """Most sessions one principal holds on this replica (RESOURCE_EXHAUSTED beyond; 0 = only
+    ``max_sessions``)."""
+    worker_tls: ClientTLS | None = None
+    """Mutual TLS towards the workers (the CA that signed them, this replica's certificate)."""

@@ -6,6 +6,8 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from duplex.tls import ServerTLS
+
 
 def _worker_id() -> str:
     return "worker-" + uuid.uuid4().hex[:8]
@@ -44,6 +46,14 @@ class WorkerConfig:
     """Intra-op threads of the engine's torch (0 = torch's default)."""
     model_options: Mapping[str, object] = field(default_factory=dict)
     """Model construction options (e.g. ``silence_ms``, ``hidden_size``), validated by the model."""
+    tls: ServerTLS | None = None
+    """TLS of the worker API; with ``client_ca``, mutual TLS: an owner's identity is its
+    certificate's, and fencing authorizes by it."""
+    insecure: bool = False
+    """Serve in plaintext on a non-loopback address (otherwise refused at start)."""
+    takeover_identities: frozenset[str] | None = None
+    """Certificate identities allowed to take a session over from another owner (None: any
+    identity the client CA signed)."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

@@ -26,15 +26,15 @@ from duplex.v1 import common_pb2 as duplex_dot_v1_dot_common__pb2
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64uplex/v1/session.proto\x12\tduplex.v1\x1a\x16\x64uplex/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\"K\n\rTurnDetection\x12\x14\n\x0c\x61uto_respond\x18\x01 \x01(\x08\x12\x12\n\nsilence_ms\x18\x02 \x01(\r\x12\x10\n\x08\x62\x61rge_in\x18\x03 \x01(\x08\"\xe0\x01\n\rSessionConfig\x12,\n\x0cinput_format\x18\x01 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\x12-\n\routput_format\x18\x02 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\x12\x14\n\x0cinstructions\x18\x03 \x01(\t\x12\x30\n\x0eturn_detection\x18\x04 \x01(\x0b\x32\x18.duplex.v1.TurnDetection\x12\x12\n\nmodalities\x18\x05 \x03(\t\x12\x16\n\x0eidle_timeout_s\x18\x06 \x01(\r\"s\n\x0bSessionOpen\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x18.duplex.v1.SessionConfig\x12+\n\nextra_body\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"9\n\rSessionResume\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cresume_token\x18\x02 \x01(\t\"f\n\rSessionUpdate\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.duplex.v1.SessionConfig\x12+\n\nextra_body\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"T\n\x10InputAudioAppend\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0b\n\x03pcm\x18\x02 \x01(\x0c\x12&\n\x06\x66ormat\x18\x03 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\"\x12\n\x10InputAudioCommit\"\x11\n\x0fInputAudioClear\"=\n\x0eResponseCreate\x12+\n\nextra_body\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"%\n\x0eResponseCancel\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\"\t\n\x07\x42\x61rgeIn\"5\n\x0bPlaybackAck\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x11\n\tplayed_ms\x18\x02 \x01(\x04\"5\n\x12\x46unctionCallOutput\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\"\x0e\n\x0cSessionClose\"\xe0\x04\n\x0b\x43lientEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12&\n\x04open\x18\n \x01(\x0b\x32\x16.duplex.v1.SessionOpenH\x00\x12*\n\x06resume\x18\x0b \x01(\x0b\x32\x18.duplex.v1.SessionResumeH\x00\x12*\n\x06update\x18\x0c \x01(\x0b\x32\x18.duplex.v1.SessionUpdateH\x00\x12-\n\x06\x61ppend\x18\r \x01(\x0b\x32\x1b.duplex.v1.InputAudioAppendH\x00\x12-\n\x06\x63ommit\x18\x0e \x01(\x0b\x32\x1b.duplex.v1.InputAudioCommitH\x00\x12+\n\x05\x63lear\x18\x0f \x01(\x0b\x32\x1a.duplex.v1.InputAudioClearH\x00\x12\x34\n\x0fresponse_create\x18\x10 \x01(\x0b\x32\x19.duplex.v1.ResponseCreateH\x00\x12\x34\n\x0fresponse_cancel\x18\x11 \x01(\x0b\x32\x19.duplex.v1.ResponseCancelH\x00\x12&\n\x08\x62\x61rge_in\x18\x12 \x01(\x0b\x32\x12.duplex.v1.BargeInH\x00\x12.\n\x0cplayback_ack\x18\x13 \x01(\x0b\x32\x16.duplex.v1.PlaybackAckH\x00\x12=\n\x14\x66unction_call_output\x18\x14 \x01(\x0b\x32\x1d.duplex.v1.FunctionCallOutputH\x00\x12(\n\x05\x63lose\x18\x15 \x01(\x0b\x32\x17.duplex.v1.SessionCloseH\x00\x42\x07\n\x05\x65vent\"\xd7\x01\n\x0c\x43\x61pabilities\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\rinput_formats\x18\x02 \x03(\x0b\x32\x16.duplex.v1.AudioFormat\x12-\n\routput_format\x18\x03 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\x12\x12\n\nmodalities\x18\x04 \x03(\t\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\r\x12\x18\n\x10max_append_bytes\x18\x06 \x01(\r\x12\x16\n\x0eturn_detection\x18\x07 \x01(\x08\"\xa1\x01\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12-\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x17.duplex.v1.Capabilities\x12\x14\n\x0cresume_token\x18\x04 \x01(\t\x12(\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x18.duplex.v1.SessionConfig\":\n\x0eSessionUpdated\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.duplex.v1.SessionConfig\"+\n\rInputAudioAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"3\n\x0eInputCommitted\x12\x0f\n\x07turn_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61udio_ms\x18\x02 \x01(\x04\"\x0e\n\x0cInputCleared\"!\n\rSpeechStarted\x12\x10\n\x08\x61udio_ms\x18\x01 \x01(\x04\"!\n\rSpeechStopped\x12\x10\n\x08\x61udio_ms\x18\x01 \x01(\x04\"F\n\x0fResponseStarted\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"a\n\nAudioDelta\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03pcm\x18\x04 \x01(\x0c\x12\x11\n\toffset_ms\x18\x05 \x01(\x04\"?\n\tTextDelta\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\x04\x12\x0c\n\x04text\x18\x03 \x01(\t\"B\n\x0fTranscriptDelta\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\"]\n\x0e\x41udioCancelled\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61ncelled_epoch\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x81\x01\n\x0cResponseDone\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\x04\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.duplex.v1.ResponseStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x10\n\x08\x61udio_ms\x18\x05 \x01(\x04\".\n\x06GoAway\x12\x14\n\x0cresume_token\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"K\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08\x65vent_id\x18\x03 \x01(\t\x12\x11\n\tretryable\x18\x04 \x01(\x08\"\x1f\n\rSessionClosed\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9c\x06\n\x0bServerEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12*\n\x06opened\x18\n \x01(\x0b\x32\x18.duplex.v1.SessionOpenedH\x00\x12,\n\x07updated\x18\x0b \x01(\x0b\x32\x19.duplex.v1.SessionUpdatedH\x00\x12-\n\tinput_ack\x18\x0c \x01(\x0b\x32\x18.duplex.v1.InputAudioAckH\x00\x12.\n\tcommitted\x18\r \x01(\x0b\x32\x19.duplex.v1.InputCommittedH\x00\x12*\n\x07\x63leared\x18\x0e \x01(\x0b\x32\x17.duplex.v1.InputClearedH\x00\x12\x32\n\x0espeech_started\x18\x0f \x01(\x0b\x32\x18.duplex.v1.SpeechStartedH\x00\x12\x32\n\x0espeech_stopped\x18\x10 \x01(\x0b\x32\x18.duplex.v1.SpeechStoppedH\x00\x12\x36\n\x10response_started\x18\x11 \x01(\x0b\x32\x1a.duplex.v1.ResponseStartedH\x00\x12,\n\x0b\x61udio_delta\x18\x12 \x01(\x0b\x32\x15.duplex.v1.AudioDeltaH\x00\x12*\n\ntext_delta\x18\x13 \x01(\x0b\x32\x14.duplex.v1.TextDeltaH\x00\x12\x36\n\x10transcript_delta\x18\x14 \x01(\x0b\x32\x1a.duplex.v1.TranscriptDeltaH\x00\x12\x34\n\x0f\x61udio_cancelled\x18\x15 \x01(\x0b\x32\x19.duplex.v1.AudioCancelledH\x00\x12\x30\n\rresponse_done\x18\x16 \x01(\x0b\x32\x17.duplex.v1.ResponseDoneH\x00\x12$\n\x07go_away\x18\x17 \x01(\x0b\x32\x11.duplex.v1.GoAwayH\x00\x12!\n\x05\x65rror\x18\x18 \x01(\x0b\x32\x10.duplex.v1.ErrorH\x00\x12*\n\x06\x63losed\x18\x19 \x01(\x0b\x32\x18.duplex.v1.SessionClosedH\x00\x42\x07\n\x05\x65vent*\x8b\x01\n\x0eResponseStatus\x12\x1f\n\x1bRESPONSE_STATUS_UNSPECIFIED\x10\x00\x12\x1d\n\x19RESPONSE_STATUS_COMPLETED\x10\x01\x12\x1d\n\x19RESPONSE_STATUS_CANCELLED\x10\x02\x12\x1a\n\x16RESPONSE_STATUS_FAILED\x10\x03\x32O\n\rDuplexSession\x12>\n\x08\x43onverse\x12\x16.duplex.v1.ClientEvent\x1a\x16.duplex.v1.ServerEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64uplex/v1/session.proto\x12\tduplex.v1\x1a\x16\x64uplex/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\"K\n\rTurnDetection\x12\x14\n\x0c\x61uto_respond\x18\x01 \x01(\x08\x12\x12\n\nsilence_ms\x18\x02 \x01(\r\x12\x10\n\x08\x62\x61rge_in\x18\x03 \x01(\x08\"\xe0\x01\n\rSessionConfig\x12,\n\x0cinput_format\x18\x01 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\x12-\n\routput_format\x18\x02 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\x12\x14\n\x0cinstructions\x18\x03 \x01(\t\x12\x30\n\x0eturn_detection\x18\x04 \x01(\x0b\x32\x18.duplex.v1.TurnDetection\x12\x12\n\nmodalities\x18\x05 \x03(\t\x12\x16\n\x0eidle_timeout_s\x18\x06 \x01(\r\"s\n\x0bSessionOpen\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x18.duplex.v1.SessionConfig\x12+\n\nextra_body\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"9\n\rSessionResume\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cresume_token\x18\x02 \x01(\t\"f\n\rSessionUpdate\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.duplex.v1.SessionConfig\x12+\n\nextra_body\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"T\n\x10InputAudioAppend\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0b\n\x03pcm\x18\x02 \x01(\x0c\x12&\n\x06\x66ormat\x18\x03 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\"\x12\n\x10InputAudioCommit\"\x11\n\x0fInputAudioClear\"=\n\x0eResponseCreate\x12+\n\nextra_body\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"%\n\x0eResponseCancel\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\"\t\n\x07\x42\x61rgeIn\"5\n\x0bPlaybackAck\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x11\n\tplayed_ms\x18\x02 \x01(\x04\"5\n\x12\x46unctionCallOutput\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\"\x0e\n\x0cSessionClose\"\xe0\x04\n\x0b\x43lientEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12&\n\x04open\x18\n \x01(\x0b\x32\x16.duplex.v1.SessionOpenH\x00\x12*\n\x06resume\x18\x0b \x01(\x0b\x32\x18.duplex.v1.SessionResumeH\x00\x12*\n\x06update\x18\x0c \x01(\x0b\x32\x18.duplex.v1.SessionUpdateH\x00\x12-\n\x06\x61ppend\x18\r \x01(\x0b\x32\x1b.duplex.v1.InputAudioAppendH\x00\x12-\n\x06\x63ommit\x18\x0e \x01(\x0b\x32\x1b.duplex.v1.InputAudioCommitH\x00\x12+\n\x05\x63lear\x18\x0f \x01(\x0b\x32\x1a.duplex.v1.InputAudioClearH\x00\x12\x34\n\x0fresponse_create\x18\x10 \x01(\x0b\x32\x19.duplex.v1.ResponseCreateH\x00\x12\x34\n\x0fresponse_cancel\x18\x11 \x01(\x0b\x32\x19.duplex.v1.ResponseCancelH\x00\x12&\n\x08\x62\x61rge_in\x18\x12 \x01(\x0b\x32\x12.duplex.v1.BargeInH\x00\x12.\n\x0cplayback_ack\x18\x13 \x01(\x0b\x32\x16.duplex.v1.PlaybackAckH\x00\x12=\n\x14\x66unction_call_output\x18\x14 \x01(\x0b\x32\x1d.duplex.v1.FunctionCallOutputH\x00\x12(\n\x05\x63lose\x18\x15 \x01(\x0b\x32\x17.duplex.v1.SessionCloseH\x00\x42\x07\n\x05\x65vent\"\xed\x01\n\x0c\x43\x61pabilities\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\rinput_formats\x18\x02 \x03(\x0b\x32\x16.duplex.v1.AudioFormat\x12-\n\routput_format\x18\x03 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\x12\x12\n\nmodalities\x18\x04 \x03(\t\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\r\x12\x18\n\x10max_append_bytes\x18\x06 \x01(\r\x12\x16\n\x0eturn_detection\x18\x07 \x01(\x08\x12\x14\n\x0cresume_scope\x18\x08 \x01(\t\"\xa1\x01\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12-\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x17.duplex.v1.Capabilities\x12\x14\n\x0cresume_token\x18\x04 \x01(\t\x12(\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x18.duplex.v1.SessionConfig\":\n\x0eSessionUpdated\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.duplex.v1.SessionConfig\"+\n\rInputAudioAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"3\n\x0eInputCommitted\x12\x0f\n\x07turn_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61udio_ms\x18\x02 \x01(\x04\"\x0e\n\x0cInputCleared\"!\n\rSpeechStarted\x12\x10\n\x08\x61udio_ms\x18\x01 \x01(\x04\"!\n\rSpeechStopped\x12\x10\n\x08\x61udio_ms\x18\x01 \x01(\x04\"F\n\x0fResponseStarted\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"a\n\nAudioDelta\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03pcm\x18\x04 \x01(\x0c\x12\x11\n\toffset_ms\x18\x05 \x01(\x04\"?\n\tTextDelta\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\x04\x12\x0c\n\x04text\x18\x03 \x01(\t\"B\n\x0fTranscriptDelta\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\"]\n\x0e\x41udioCancelled\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61ncelled_epoch\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x81\x01\n\x0cResponseDone\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\x04\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.duplex.v1.ResponseStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x10\n\x08\x61udio_ms\x18\x05 \x01(\x04\".\n\x06GoAway\x12\x14\n\x0cresume_token\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"K\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08\x65vent_id\x18\x03 \x01(\t\x12\x11\n\tretryable\x18\x04 \x01(\x08\"\x1f\n\rSessionClosed\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9c\x06\n\x0bServerEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12*\n\x06opened\x18\n \x01(\x0b\x32\x18.duplex.v1.SessionOpenedH\x00\x12,\n\x07updated\x18\x0b \x01(\x0b\x32\x19.duplex.v1.SessionUpdatedH\x00\x12-\n\tinput_ack\x18\x0c \x01(\x0b\x32\x18.duplex.v1.InputAudioAckH\x00\x12.\n\tcommitted\x18\r \x01(\x0b\x32\x19.duplex.v1.InputCommittedH\x00\x12*\n\x07\x63leared\x18\x0e \x01(\x0b\x32\x17.duplex.v1.InputClearedH\x00\x12\x32\n\x0espeech_started\x18\x0f \x01(\x0b\x32\x18.duplex.v1.SpeechStartedH\x00\x12\x32\n\x0espeech_stopped\x18\x10 \x01(\x0b\x32\x18.duplex.v1.SpeechStoppedH\x00\x12\x36\n\x10response_started\x18\x11 \x01(\x0b\x32\x1a.duplex.v1.ResponseStartedH\x00\x12,\n\x0b\x61udio_delta\x18\x12 \x01(\x0b\x32\x15.duplex.v1.AudioDeltaH\x00\x12*\n\ntext_delta\x18\x13 \x01(\x0b\x32\x14.duplex.v1.TextDeltaH\x00\x12\x36\n\x10transcript_delta\x18\x14 \x01(\x0b\x32\x1a.duplex.v1.TranscriptDeltaH\x00\x12\x34\n\x0f\x61udio_cancelled\x18\x15 \x01(\x0b\x32\x19.duplex.v1.AudioCancelledH\x00\x12\x30\n\rresponse_done\x18\x16 \x01(\x0b\x32\x17.duplex.v1.ResponseDoneH\x00\x12$\n\x07go_away\x18\x17 \x01(\x0b\x32\x11.duplex.v1.GoAwayH\x00\x12!\n\x05\x65rror\x18\x18 \x01(\x0b\x32\x10.duplex.v1.ErrorH\x00\x12*\n\x06\x63losed\x18\x19 \x01(\x0b\x32\x18.duplex.v1.SessionClosedH\x00\x42\x07\n\x05\x65vent*\x8b\x01\n\x0eResponseStatus\x12\x1f\n\x1bRESPONSE_STATUS_UNSPECIFIED\x10\x00\x12\x1d\n\x19RESPONSE_STATUS_COMPLETED\x10\x01\x12\x1d\n\x19RESPONSE_STATUS_CANCELLED\x10\x02\x12\x1a\n\x16RESPONSE_STATUS_FAILED\x10\x03\x32O\n\rDuplexSession\x12>\n\x08\x43onverse\x12\x16.duplex.v1.ClientEvent\x1a\x16.duplex.v1.ServerEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duplex.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESPONSESTATUS']._serialized_start=3766
-  _globals['_RESPONSESTATUS']._serialized_end=3905
+  _globals['_RESPONSESTATUS']._serialized_start=3788
+  _globals['_RESPONSESTATUS']._serialized_end=3927
   _globals['_TURNDETECTION']._serialized_start=92
   _globals['_TURNDETECTION']._serialized_end=167
   _globals['_SESSIONCONFIG']._serialized_start=170
@@ -66,41 +66,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLIENTEVENT']._serialized_start=1041
   _globals['_CLIENTEVENT']._serialized_end=1649
   _globals['_CAPABILITIES']._serialized_start=1652
-  _globals['_CAPABILITIES']._serialized_end=1867
-  _globals['_SESSIONOPENED']._serialized_start=1870
-  _globals['_SESSIONOPENED']._serialized_end=2031
-  _globals['_SESSIONUPDATED']._serialized_start=2033
-  _globals['_SESSIONUPDATED']._serialized_end=2091
-  _globals['_INPUTAUDIOACK']._serialized_start=2093
-  _globals['_INPUTAUDIOACK']._serialized_end=2136
-  _globals['_INPUTCOMMITTED']._serialized_start=2138
-  _globals['_INPUTCOMMITTED']._serialized_end=2189
-  _globals['_INPUTCLEARED']._serialized_start=2191
-  _globals['_INPUTCLEARED']._serialized_end=2205
-  _globals['_SPEECHSTARTED']._serialized_start=2207
-  _globals['_SPEECHSTARTED']._serialized_end=2240
-  _globals['_SPEECHSTOPPED']._serialized_start=2242
-  _globals['_SPEECHSTOPPED']._serialized_end=2275
-  _globals['_RESPONSESTARTED']._serialized_start=2277
-  _globals['_RESPONSESTARTED']._serialized_end=2347
-  _globals['_AUDIODELTA']._serialized_start=2349
-  _globals['_AUDIODELTA']._serialized_end=2446
-  _globals['_TEXTDELTA']._serialized_start=2448
-  _globals['_TEXTDELTA']._serialized_end=2511
-  _globals['_TRANSCRIPTDELTA']._serialized_start=2513
-  _globals['_TRANSCRIPTDELTA']._serialized_end=2579
-  _globals['_AUDIOCANCELLED']._serialized_start=2581
-  _globals['_AUDIOCANCELLED']._serialized_end=2674
-  _globals['_RESPONSEDONE']._serialized_start=2677
-  _globals['_RESPONSEDONE']._serialized_end=2806
-  _globals['_GOAWAY']._serialized_start=2808
-  _globals['_GOAWAY']._serialized_end=2854
-  _globals['_ERROR']._serialized_start=2856
-  _globals['_ERROR']._serialized_end=2931
-  _globals['_SESSIONCLOSED']._serialized_start=2933
-  _globals['_SESSIONCLOSED']._serialized_end=2964
-  _globals['_SERVEREVENT']._serialized_start=2967
-  _globals['_SERVEREVENT']._serialized_end=3763
-  _globals['_DUPLEXSESSION']._serialized_start=3907
-  _globals['_DUPLEXSESSION']._serialized_end=3986
+  _globals['_CAPABILITIES']._serialized_end=1889
+  _globals['_SESSIONOPENED']._serialized_start=1892
+  _globals['_SESSIONOPENED']._serialized_end=2053
+  _globals['_SESSIONUPDATED']._serialized_start=2055
+  _globals['_SESSIONUPDATED']._serialized_end=2113
+  _globals['_INPUTAUDIOACK']._serialized_start=2115
+  _globals['_INPUTAUDIOACK']._serialized_end=2158
+  _globals['_INPUTCOMMITTED']._serialized_start=2160
+  _globals['_INPUTCOMMITTED']._serialized_end=2211
+  _globals['_INPUTCLEARED']._serialized_start=2213
+  _globals['_INPUTCLEARED']._serialized_end=2227
+  _globals['_SPEECHSTARTED']._serialized_start=2229
+  _globals['_SPEECHSTARTED']._serialized_end=2262
+  _globals['_SPEECHSTOPPED']._serialized_start=2264
+  _globals['_SPEECHSTOPPED']._serialized_end=2297
+  _globals['_RESPONSESTARTED']._serialized_start=2299
+  _globals['_RESPONSESTARTED']._serialized_end=2369
+  _globals['_AUDIODELTA']._serialized_start=2371
+  _globals['_AUDIODELTA']._serialized_end=2468
+  _globals['_TEXTDELTA']._serialized_start=2470
+  _globals['_TEXTDELTA']._serialized_end=2533
+  _globals['_TRANSCRIPTDELTA']._serialized_start=2535
+  _globals['_TRANSCRIPTDELTA']._serialized_end=2601
+  _globals['_AUDIOCANCELLED']._serialized_start=2603
+  _globals['_AUDIOCANCELLED']._serialized_end=2696
+  _globals['_RESPONSEDONE']._serialized_start=2699
+  _globals['_RESPONSEDONE']._serialized_end=2828
+  _globals['_GOAWAY']._serialized_start=2830
+  _globals['_GOAWAY']._serialized_end=2876
+  _globals['_ERROR']._serialized_start=2878
+  _globals['_ERROR']._serialized_end=2953
+  _globals['_SESSIONCLOSED']._serialized_start=2955
+  _globals['_SESSIONCLOSED']._serialized_end=2986
+  _globals['_SERVEREVENT']._serialized_start=2989
+  _globals['_SERVEREVENT']._serialized_end=3785
+  _globals['_DUPLEXSESSION']._serialized_start=3929
+  _globals['_DUPLEXSESSION']._serialized_end=4008
 # @@protoc_insertion_point(module_scope)

@@ -534,6 +534,7 @@ class Capabilities(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _builtins.int
     MAX_APPEND_BYTES_FIELD_NUMBER: _builtins.int
     TURN_DETECTION_FIELD_NUMBER: _builtins.int
+    RESUME_SCOPE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The plugin id, e.g. "parrot"."""
     max_sessions: _builtins.int
@@ -542,6 +543,11 @@ class Capabilities(_message.Message):
     """Largest `append.pcm` accepted, in bytes."""
     turn_detection: _builtins.bool
     """Whether server turn detection is available."""
+    resume_scope: _builtins.str
+    """Where the resume token works: "deployment" (any replica that shares the
+    deployment's resume secrets) or "replica" (only the replica that issued
+    it: no shared secret is configured).
+    """
     @_builtins.property
     def input_formats(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AudioFormat]:
         """Input formats the session accepts."""
@@ -564,10 +570,11 @@ class Capabilities(_message.Message):
         max_sessions: _builtins.int = ...,
         max_append_bytes: _builtins.int = ...,
         turn_detection: _builtins.bool = ...,
+        resume_scope: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["output_format", b"output_format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_formats", b"input_formats", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "output_format", b"output_format", "turn_detection", b"turn_detection"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_formats", b"input_formats", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1027,7 +1034,10 @@ class SessionClosed(_message.Message):
 
     REASON_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
-    """"client_close", "idle_timeout", "draining", ..."""
+    """"client_close", "idle_timeout", "draining", "slow_consumer", "fenced",
+    "resumed_elsewhere" (a resume of this session took it over: this stream
+    ends here, the session goes on on the stream that resumed it), ...
+    """
     def __init__(
         self,
         *,

@@ -163,7 +163,10 @@ class AttachRequest(_message.Message):
     epoch: _builtins.int
     """The epoch the owner will submit under."""
     owner: _builtins.str
-    """The owner's id (one per session-service replica)."""
+    """The owner's id (one per session-service replica). With mutual TLS the
+    worker scopes it under the peer certificate's identity: an owner is
+    "IDENTITY/owner", so no other identity can hold or replace it.
+    """
     takeover: _builtins.bool
     """Take the session over from another owner: the worker grants
     max(epoch, highest accepted + 1), fencing the previous owner out.
@@ -307,8 +310,14 @@ class Release(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
+    closed: _builtins.bool
+    """The session ended for good (its client closed it, or it timed out), not
+    merely moved: the worker keeps a bounded tombstone of it and refuses any
+    later Attach of it with "session_closed", so its resume token is dead.
+    """
     @_builtins.property
     def fence(self) -> _common_pb2.Fence:
         """Its fence (a release below the highest epoch is ignored and counted)."""
@@ -318,10 +327,11 @@ class Release(_message.Message):
         *,
         request_id: _builtins.str = ...,
         fence: _common_pb2.Fence | None = ...,
+        closed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "fence", b"fence", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
