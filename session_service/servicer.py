@@ -18,6 +18,7 @@ import grpc
 
 from duplex.errors import BadRequestError, DuplexError, ErrorCode, abort
 from duplex.v1 import session_pb2, session_pb2_grpc
+from session_service.auth import PrincipalOf, anonymous
 from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN
 from session_service.runner import SessionRunner
 from session_service.sessions import SessionManager
@@ -31,15 +32,22 @@ SERVICE_NAME = session_pb2.DESCRIPTOR.services_by_name["DuplexSession"].full_nam
 
 
 class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
-    def __init__(self, manager: SessionManager, *, open_timeout_s: float) -> None:
+    def __init__(
+        self, manager: SessionManager, *, open_timeout_s: float, principal_of: PrincipalOf = anonymous
+    ) -> None:
         self._manager = manager
         self._open_timeout_s = open_timeout_s
+        self._principal_of = principal_of
 
     async def Converse(
         self,
         request_iterator: AsyncIterator[session_pb2.ClientEvent],
         context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
     ) -> AsyncIterator[session_pb2.ServerEvent]:
+        try:
+            principal = self._principal_of(context)
+        except DuplexError as err:
+            await self._abort(context, err)
         it = aiter(request_iterator)
         runner: SessionRunner | None = None
         refused = 0
@@ -57,9 +65,9 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             EVENTS_IN[kind or "none"].inc()
             try:
                 if kind == "open":
-                    runner = await self._manager.open(ev.open)
+                    runner = await self._manager.open(ev.open, principal=principal)
                 elif kind == "resume":
-                    runner = await self._manager.resume(ev.resume)
+                    runner = await self._manager.resume(ev.resume, principal=principal)
             except DuplexError as err:
                 await self._abort(context, err)
             if runner is None:

@@ -27,6 +27,7 @@ from duplex.errors import (
     UnavailableError,
 )
 from duplex.v1 import session_pb2
+from session_service.auth import ANONYMOUS
 from session_service.config import ServiceConfig
 from session_service.metrics import ACTIVE_SESSIONS
 from session_service.plugin import DuplexModelPlugin, SessionSettings
@@ -190,7 +191,7 @@ class SessionManager:
 
     # ---- open and resume -------------------------------------------------------------------
 
-    async def open(self, msg: session_pb2.SessionOpen) -> SessionRunner:
+    async def open(self, msg: session_pb2.SessionOpen, *, principal: str = ANONYMOUS) -> SessionRunner:
         """A new session; raises a call-ending DuplexError for a bad open."""
         self._admit()
         if msg.model and msg.model != self._plugin.plugin_id:
@@ -224,7 +225,7 @@ class SessionManager:
             self._opening -= 1
         return self._start(session_id, settings, runtime, extra, link, epoch, token)
 
-    async def resume(self, msg: session_pb2.SessionResume) -> SessionRunner:
+    async def resume(self, msg: session_pb2.SessionResume, *, principal: str = ANONYMOUS) -> SessionRunner:
         """Re-bind to a live runner here, or take the session over from another replica."""
         claims = decode(
             self._secret,
