@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import sys
 import uuid
 
@@ -12,24 +10,31 @@ from duplex.errors import DuplexError
 from duplex.serving import split_host_port
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
-from session_service.resume import DEFAULT_MAX_AGE_S
+from session_service.resume import DEFAULT_MAX_AGE_S, ResumeKeys
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="duplex session", description="Run a session service replica.")
+    p = argparse.ArgumentParser(
+        prog="duplex session",
+        description="Run a session service replica.",
+        epilog="Resume tokens are encrypted with the keys in $DUPLEX_RESUME_SECRETS "
+        "(KID:SECRET[,KID:SECRET...], secrets of at least 32 bytes; the first encrypts, all decrypt); "
+        "replicas that share them resume each other's sessions. Without it tokens work on this "
+        "replica only.",
+    )
     p.add_argument("--plugin", default="session_service.plugins.parrot:ParrotPlugin", help="module:Class")
     p.add_argument("--workers", required=True, help="worker addresses HOST:PORT[,HOST:PORT...]")
     p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC HOST:PORT (port 0 = any)")
     p.add_argument("--metrics-port", type=int, default=9464, help="/metrics port (0 = any)")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--max-sessions", type=int, default=256)
-    p.add_argument("--idle-timeout-s", type=float, default=300.0)
     p.add_argument(
-        "--resume-secret",
-        default="",
-        help="HMAC key for resume tokens, shared by all replicas "
-        "(default: $DUPLEX_RESUME_SECRET, else random per process)",
+        "--max-sessions-per-principal",
+        type=int,
+        default=0,
+        help="most sessions one caller holds on this replica (0 = only --max-sessions)",
     )
+    p.add_argument("--idle-timeout-s", type=float, default=300.0)
     p.add_argument(
         "--resume-max-age-s",
         type=float,
@@ -61,13 +66,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resume_secret(flag: str | None) -> bytes:
-    # The environment keeps the secret out of the process list; replicas that share it can
-    # resume each other's sessions. Without one, tokens work on this process only.
-    value = flag or os.environ.get("DUPLEX_RESUME_SECRET", "")
-    return value.encode() if value else secrets.token_bytes(32)
-
-
 def config_from_args(argv: list[str]) -> ServiceConfig:
     args = _parser().parse_args(argv)
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
@@ -86,6 +84,12 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         raise SystemExit("duplex session: --worker-stall-timeout-s must not be negative")
     if args.max_sessions < 1 or args.idle_timeout_s <= 0:
         raise SystemExit("duplex session: --max-sessions and --idle-timeout-s must be positive")
+    if args.max_sessions_per_principal < 0:
+        raise SystemExit("duplex session: --max-sessions-per-principal must not be negative")
+    try:
+        resume_keys = ResumeKeys.from_environment()
+    except DuplexError as err:
+        raise SystemExit(f"duplex session: {err.message}") from err
     return ServiceConfig(
         plugin=args.plugin,
         workers=workers,
@@ -93,7 +97,10 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         max_sessions=args.max_sessions,
-        resume_secret=_resume_secret(args.resume_secret),
+        max_sessions_per_principal=args.max_sessions_per_principal,
+        # From the environment only (DUPLEX_RESUME_SECRETS): a secret in argv is in every
+        # process listing.
+        resume_keys=resume_keys,
         resume_max_age_s=args.resume_max_age_s,
         replica_id=args.replica_id or f"session-{uuid.uuid4().hex[:12]}",
         drain_grace_s=args.drain_grace_s,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from duplex.tls import ClientTLS, ServerTLS
-from session_service.resume import DEFAULT_MAX_AGE_S
+from session_service.resume import DEFAULT_MAX_AGE_S, ResumeKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +55,9 @@ class ServiceConfig:
     resume_max_age_s: float = DEFAULT_MAX_AGE_S
     """How long a resume token stays valid after it was issued (``go_away`` and resumes hand out
     fresh ones)."""
-    resume_secret: bytes = b""
-    """HMAC key of resume tokens; replicas that share it can resume each other's sessions."""
+    resume_keys: ResumeKeys | None = None
+    """Keys of resume tokens (the first encrypts, all decrypt); replicas that share them resume
+    each other's sessions. None: a random key of this process (tokens work on this replica only)."""
     replica_id: str = ""
     """This replica's owner id towards the workers (unique per process)."""
     drain_grace_s: float = 10.0

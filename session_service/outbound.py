@@ -41,6 +41,7 @@ class Outbound:
         self._items: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._attachment = 0
+        self._farewells: dict[int, session_pb2.ServerEvent] = {}
         self._closed = False
 
     def __len__(self) -> int:
@@ -85,8 +86,11 @@ class Outbound:
     def current_attachment(self) -> int:
         return self._attachment
 
-    def attach(self) -> int:
-        """A new stream takes over consumption; the previous consumer stops at its next get."""
+    def attach(self, *, farewell: session_pb2.ServerEvent | None = None) -> int:
+        """A new stream takes over consumption; the previous consumer gets ``farewell`` (when
+        given) as its last event at its next get, then None."""
+        if farewell is not None and self._attachment:
+            self._farewells[self._attachment] = farewell
         self._attachment += 1
         self._wake.set()
         return self._attachment
@@ -100,7 +104,7 @@ class Outbound:
         """The next event for the stream holding ``attachment``; None when it should end."""
         while True:
             if attachment != self._attachment:
-                return None
+                return self._farewells.pop(attachment, None)
             event = self.get_nowait()
             if event is not None:
                 return event

@@ -1,45 +1,59 @@
-"""Resume tokens: signed, versioned, expiring carriers of a session's state between replicas.
+"""Resume tokens: encrypted, authenticated, versioned, expiring carriers of a session's state.
 
 A replica that takes a session over (after ``go_away``, or when the client reconnects
 elsewhere) never saw its ``open``. The token therefore carries what it needs to rebuild the
-session: the effective settings (formats, turn detection, instructions, modalities, idle
-timeout), the client-visible runtime options (``extra_body``, e.g. ``pitch_semitones``), the
-plugin id and the issue time. Layout (ASCII, URL-safe)::
+session: the principal it belongs to, the effective settings (formats, turn detection,
+instructions, modalities, idle timeout), the client-visible runtime options (``extra_body``,
+e.g. ``pitch_semitones``), the plugin id and the issue time. Layout (ASCII, URL-safe)::
 
-    v1.<payload>.<mac>
-    payload = base64url(compact JSON claims), no padding
-    mac     = base64url(HMAC-SHA256(secret, "duplex.resume." + "v1." + payload)), no padding
+    v2.<kid>.<box>
+    box = base64url(nonce[12] || AES-256-GCM(key(kid), nonce, compact JSON claims,
+                                              aad="duplex.resume.v2." + kid)), no padding
+    key(kid) = HKDF-SHA256(secret of kid, info="duplex.resume.v2." + kid), 32 bytes
 
-Claims: ``sid`` session id, ``iat`` issue time (Unix seconds), ``m`` plugin id, ``s`` settings
-(``i``/``o`` input/output format as ``[encoding, rate, channels]``, ``td`` turn detection as
-``[auto_respond, silence_ms, barge_in]``, ``ins`` instructions, ``mod`` modalities, ``idle``
-idle timeout), ``x`` client ``extra_body``. The payload is signed, not encrypted: it holds
-nothing the client did not send itself. Any replica with the shared secret verifies it
-(constant-time compare) before reading a single claim; a token older than the max age, issued
-in the future, over ``MAX_TOKEN_CHARS``, of an unknown version or for another session is
+The claims are encrypted, so a token shows nothing of the session (instructions included) to
+whoever holds it, and authenticated by GCM: any replica holding the key named by ``kid``
+decrypts and verifies it before reading a single claim. Keys rotate (``ResumeKeys``): the first
+key encrypts new tokens, every key still listed verifies. A token older than the max age, issued
+in the future, over ``MAX_TOKEN_CHARS``, of an unknown version or key, or for another session is
 refused with ``UNAUTHENTICATED/invalid_resume_token``. The taking-over replica re-validates
-``extra_body`` through its plugin, so even a signed token cannot smuggle private keys in.
+``extra_body`` through its plugin, so even a valid token cannot smuggle private keys in.
+
+Claims: ``sid`` session id, ``iat`` issue time (Unix seconds), ``p`` principal, ``m`` plugin
+id, ``s`` settings (``i``/``o`` input/output format as ``[encoding, rate, channels]``, ``td``
+turn detection as ``[auto_respond, silence_ms, barge_in]``, ``ins`` instructions, ``mod``
+modalities, ``idle`` idle timeout), ``x`` client ``extra_body``.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
 import json
+import logging
 import math
+import os
+import re
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from duplex.audio import PcmFormat
-from duplex.errors import DuplexError, ErrorCode, UnauthenticatedError
+from duplex.errors import BadRequestError, DuplexError, ErrorCode, UnauthenticatedError
 from duplex.v1 import common_pb2
 from session_service.plugin import DuplexModelPlugin, SessionSettings, TurnDetection
 
-VERSION = "v1"
+log = logging.getLogger(__name__)
+
+VERSION = "v2"
 """The token layout this module issues (and the only one it accepts)."""
 DEFAULT_MAX_AGE_S = 86_400.0
 """How long a token is accepted after it was issued."""
@@ -48,8 +62,103 @@ MAX_CLOCK_SKEW_S = 60.0
 MAX_TOKEN_CHARS = 8192
 """Upper bound of a token's length: longer ones are neither issued nor parsed."""
 
-_MAC_CONTEXT = b"duplex.resume."
-_MAC_CHARS = 43  # base64url of 32 bytes, unpadded
+MIN_SECRET_BYTES = 32
+"""Shortest resume secret accepted (a guessable key would let anyone mint tokens)."""
+
+_CONTEXT = b"duplex.resume.v2."
+_NONCE_BYTES = 12
+_KID = re.compile(r"[A-Za-z0-9_-]{1,32}")
+
+
+class ResumeKeys:
+    """The keys of resume tokens: the first encrypts new tokens, every one decrypts.
+
+    ``shared`` says whether they came from the deployment (replicas that share them resume
+    each other's sessions) or were made up by this process (tokens work on this replica only).
+    """
+
+    def __init__(self, keys: Mapping[str, bytes], *, shared: bool = True) -> None:
+        if not keys:
+            raise BadRequestError(ErrorCode.INVALID_CONFIG, "at least one resume key is needed")
+        for kid, secret in keys.items():
+            if not _KID.fullmatch(kid):
+                raise BadRequestError(
+                    ErrorCode.INVALID_CONFIG, f"resume key id {kid!r}: use 1-32 of A-Z a-z 0-9 _ -"
+                )
+            if len(secret) < MIN_SECRET_BYTES:
+                raise BadRequestError(
+                    ErrorCode.INVALID_CONFIG,
+                    f"resume secret {kid!r} is {len(secret)} bytes; at least {MIN_SECRET_BYTES} are needed",
+                )
+        self.shared = shared
+        self.signing_kid = next(iter(keys))
+        self._aead = {kid: AESGCM(_derive(kid, secret)) for kid, secret in keys.items()}
+
+    @classmethod
+    def parse(cls, value: str) -> ResumeKeys:
+        """``KID:SECRET[,KID:SECRET...]`` (``DUPLEX_RESUME_SECRETS``); the first one signs."""
+        keys: dict[str, bytes] = {}
+        for item in value.replace("\n", ",").split(","):
+            item = item.strip()
+            if not item:
+                continue
+            kid, sep, secret = item.partition(":")
+            if not sep:
+                raise BadRequestError(
+                    ErrorCode.INVALID_CONFIG, "resume secrets are KID:SECRET pairs separated by commas"
+                )
+            if kid in keys:
+                raise BadRequestError(ErrorCode.INVALID_CONFIG, f"resume key id {kid!r} is listed twice")
+            keys[kid] = secret.encode()
+        return cls(keys)
+
+    @classmethod
+    def single(cls, secret: bytes, kid: str = "k1") -> ResumeKeys:
+        return cls({kid: secret})
+
+    @classmethod
+    def ephemeral(cls) -> ResumeKeys:
+        """A random key of this process alone: its tokens resume only on this replica."""
+        return cls({"local": secrets.token_bytes(32)}, shared=False)
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> ResumeKeys:
+        """``DUPLEX_RESUME_SECRETS`` (rotation), else ``DUPLEX_RESUME_SECRET`` (one key), else
+        an ephemeral key with a warning."""
+        if environ.get("DUPLEX_RESUME_SECRETS"):
+            return cls.parse(environ["DUPLEX_RESUME_SECRETS"])
+        if environ.get("DUPLEX_RESUME_SECRET"):
+            return cls.single(environ["DUPLEX_RESUME_SECRET"].encode(), kid="default")
+        log.warning(
+            "no DUPLEX_RESUME_SECRETS: resume tokens work on this replica only "
+            "(set the same secrets on every replica to resume sessions across them)"
+        )
+        return cls.ephemeral()
+
+    def seal(self, plaintext: bytes) -> str:
+        kid = self.signing_kid
+        nonce = os.urandom(_NONCE_BYTES)
+        box = nonce + self._aead[kid].encrypt(nonce, plaintext, _CONTEXT + kid.encode())
+        return f"{VERSION}.{kid}.{_b64(box)}"
+
+    def open(self, token: str) -> bytes:
+        """The plaintext of ``token``; raises ``InvalidResumeTokenError``."""
+        version, _, rest = token.partition(".")
+        kid, _, box_text = rest.partition(".")
+        aead = self._aead.get(kid)
+        if version != VERSION or aead is None or not box_text:
+            raise InvalidResumeTokenError()
+        try:
+            box = _unb64(box_text)
+            if len(box) <= _NONCE_BYTES:
+                raise ValueError("short token")
+            return aead.decrypt(box[:_NONCE_BYTES], box[_NONCE_BYTES:], _CONTEXT + kid.encode())
+        except (InvalidTag, ValueError, binascii.Error) as exc:
+            raise InvalidResumeTokenError() from exc
+
+
+def _derive(kid: str, secret: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_CONTEXT + kid.encode()).derive(secret)
 
 
 class InvalidResumeTokenError(UnauthenticatedError):
@@ -70,6 +179,8 @@ class ResumeClaims:
     session_id: str
     issued_at: int
     """Unix seconds."""
+    principal: str = ""
+    """Who opened the session: only the same principal may resume it."""
     model: str = ""
     """The plugin id of the replica that issued it."""
     settings: SessionSettings | None = None
@@ -79,8 +190,9 @@ class ResumeClaims:
 
     def same_state(self, other: ResumeClaims) -> bool:
         """Whether both describe the same session state (the issue time aside)."""
-        return (self.session_id, self.model, self.settings, dict(self.extra_body)) == (
+        return (self.session_id, self.principal, self.model, self.settings, dict(self.extra_body)) == (
             other.session_id,
+            other.principal,
             other.model,
             other.settings,
             dict(other.extra_body),
@@ -110,10 +222,6 @@ def _unb64(text: str) -> bytes:
     return data
 
 
-def _mac(secret: bytes, signed: str) -> str:
-    return _b64(hmac.new(secret, _MAC_CONTEXT + signed.encode("ascii"), hashlib.sha256).digest())
-
-
 def _fmt(f: PcmFormat) -> list[int]:
     return [f.encoding, f.sample_rate_hz, f.channels]
 
@@ -130,9 +238,11 @@ def _settings_claim(s: SessionSettings) -> dict[str, object]:
     }
 
 
-def issue(secret: bytes, claims: ResumeClaims) -> str:
-    """Sign ``claims``; raises ``ResumeTokenTooLargeError`` past ``MAX_TOKEN_CHARS``."""
+def issue(keys: ResumeKeys, claims: ResumeClaims) -> str:
+    """Seal ``claims``; raises ``ResumeTokenTooLargeError`` past ``MAX_TOKEN_CHARS``."""
     body: dict[str, object] = {"sid": claims.session_id, "iat": int(claims.issued_at)}
+    if claims.principal:
+        body["p"] = claims.principal
     if claims.model:
         body["m"] = claims.model
     if claims.settings is not None:
@@ -140,8 +250,7 @@ def issue(secret: bytes, claims: ResumeClaims) -> str:
     if claims.extra_body:
         body["x"] = dict(claims.extra_body)
     raw = json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
-    signed = f"{VERSION}.{_b64(raw.encode())}"
-    token = f"{signed}.{_mac(secret, signed)}"
+    token = keys.seal(raw.encode())
     if len(token) > MAX_TOKEN_CHARS:
         raise ResumeTokenTooLargeError(
             f"the session state needs a {len(token)}-character resume token (at most {MAX_TOKEN_CHARS}): "
@@ -204,7 +313,7 @@ def _parse_settings(v: object) -> SessionSettings:
 
 
 def decode(
-    secret: bytes,
+    keys: ResumeKeys,
     token: str,
     *,
     session_id: str,
@@ -214,26 +323,21 @@ def decode(
     """Verify ``token`` for ``session_id`` and return its claims; raises ``InvalidResumeTokenError``."""
     if not session_id or not token or len(token) > MAX_TOKEN_CHARS or not token.isascii():
         raise InvalidResumeTokenError()
-    version, _, rest = token.partition(".")
-    payload, _, mac = rest.partition(".")
-    if version != VERSION or not payload or len(mac) != _MAC_CHARS:
-        raise InvalidResumeTokenError()
-    # compare_digest: no timing side channel on how much of a forged MAC was right.
-    if not hmac.compare_digest(_mac(secret, f"{version}.{payload}"), mac):
-        raise InvalidResumeTokenError()
+    plaintext = keys.open(token)  # authenticated before a single claim is read
     try:
-        body = json.loads(_unb64(payload))
+        body = json.loads(plaintext)
         if not isinstance(body, dict):
             raise ValueError("claims must be an object")
         claims = ResumeClaims(
             session_id=_str(body["sid"]),
             issued_at=_int(body["iat"]),
+            principal=_str(body.get("p", "")),
             model=_str(body.get("m", "")),
             settings=_parse_settings(body["s"]) if "s" in body else None,
             extra_body=_extra(body.get("x", {})),
         )
-    except (ValueError, KeyError, TypeError, binascii.Error, DuplexError) as exc:
-        # Signed but unreadable: a bug or an incompatible issuer, never the client's doing.
+    except (ValueError, KeyError, TypeError, DuplexError) as exc:
+        # Authentic but unreadable: a bug or an incompatible issuer, never the client's doing.
         raise InvalidResumeTokenError(f"unreadable resume token: {exc}") from exc
     if not hmac.compare_digest(claims.session_id.encode(), session_id.encode()):
         raise InvalidResumeTokenError()
@@ -304,6 +408,7 @@ def claims_for(
     session_id: str = "",
     runtime_config: Mapping[str, object] | None = None,
     client_extra: Mapping[str, object] | None = None,
+    principal: str = "",
     now: float | None = None,
 ) -> ResumeClaims:
     """The claims describing a session now (``source``: its runner, or its settings)."""
@@ -317,6 +422,7 @@ def claims_for(
     return ResumeClaims(
         session_id=sid,
         issued_at=int(time.time() if now is None else now),
+        principal=principal,
         model=plugin.plugin_id,
         settings=settings,
         extra_body=client_extra_body(plugin, runtime, client_extra),
@@ -326,23 +432,25 @@ def claims_for(
 def resume_token_for(
     source: RunnerLike | SessionSettings,
     *,
-    secret: bytes,
+    keys: ResumeKeys,
     plugin: DuplexModelPlugin,
     session_id: str = "",
     runtime_config: Mapping[str, object] | None = None,
     client_extra: Mapping[str, object] | None = None,
+    principal: str = "",
     now: float | None = None,
 ) -> str:
     """A fresh token for the session's current settings and runtime options (see ``claims_for``);
     raises ``ResumeTokenTooLargeError``."""
     return issue(
-        secret,
+        keys,
         claims_for(
             source,
             plugin=plugin,
             session_id=session_id,
             runtime_config=runtime_config,
             client_extra=client_extra,
+            principal=principal,
             now=now,
         ),
     )
@@ -351,15 +459,15 @@ def resume_token_for(
 # ---- bare tokens -------------------------------------------------------------------------------
 
 
-def resume_token(secret: bytes, session_id: str, *, now: float | None = None) -> str:
+def resume_token(keys: ResumeKeys, session_id: str, *, now: float | None = None) -> str:
     """A token that proves knowledge of the session but carries no state (cannot take over)."""
     return issue(
-        secret, ResumeClaims(session_id=session_id, issued_at=int(time.time() if now is None else now))
+        keys, ResumeClaims(session_id=session_id, issued_at=int(time.time() if now is None else now))
     )
 
 
 def verify_resume_token(
-    secret: bytes,
+    keys: ResumeKeys,
     session_id: str,
     token: str,
     *,
@@ -368,7 +476,7 @@ def verify_resume_token(
 ) -> bool:
     """Whether ``token`` is valid for ``session_id`` (signature, session, age)."""
     try:
-        decode(secret, token, session_id=session_id, max_age_s=max_age_s, now=now)
+        decode(keys, token, session_id=session_id, max_age_s=max_age_s, now=now)
     except InvalidResumeTokenError:
         return False
     return True
@@ -377,9 +485,11 @@ def verify_resume_token(
 __all__: list[str] = [
     "DEFAULT_MAX_AGE_S",
     "MAX_TOKEN_CHARS",
+    "MIN_SECRET_BYTES",
     "VERSION",
     "InvalidResumeTokenError",
     "ResumeClaims",
+    "ResumeKeys",
     "ResumeTokenTooLargeError",
     "claims_for",
     "client_extra_body",

@@ -29,6 +29,7 @@ from duplex.errors import BadEventError, DuplexError, ErrorCode, InternalError, 
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.ack_window import Ack, AckWindow
+from session_service.auth import ANONYMOUS
 from session_service.config import RunnerConfig
 from session_service.emitter import Emitter
 from session_service.lifecycle import (
@@ -53,6 +54,10 @@ CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
 COMPLETED = session_pb2.RESPONSE_STATUS_COMPLETED
 CANCELLED = session_pb2.RESPONSE_STATUS_CANCELLED
 FAILED = session_pb2.RESPONSE_STATUS_FAILED
+
+#: Close reasons after which the session is over (its worker tombstones it; its token is dead).
+#: A drained or fenced session lives on elsewhere.
+ENDED_FOR_GOOD = frozenset({"client_close", "idle_timeout", "slow_consumer", "internal_error"})
 
 
 class WorkerHandle(Protocol):
@@ -116,8 +121,11 @@ class SessionRunner:
         epoch: int,
         resume_token: str,
         deps: RunnerDeps,
+        principal: str = ANONYMOUS,
     ) -> None:
         self.session_id = session_id
+        self.principal = principal
+        """Who opened the session: only they may resume it."""
         self.settings = settings
         self.runtime_config = runtime_config
         self.epoch = epoch
@@ -214,6 +222,14 @@ class SessionRunner:
                 ),
             )
         )
+
+    def attach_stream(self) -> int:
+        """A client stream takes over the session's output (an open, or a resume); a stream it
+        displaces is told ``closed{reason="resumed_elsewhere"}`` before it ends."""
+        farewell = None
+        if self.outbound.current_attachment:
+            farewell = self.emitter.event("closed", session_pb2.SessionClosed(reason="resumed_elsewhere"))
+        return self.outbound.attach(farewell=farewell)
 
     def go_away(self, reason: str) -> None:
         self._safely(
@@ -782,7 +798,13 @@ class SessionRunner:
             pass
         self.status = SessionStatus.CLOSED
         if self.link is not None:
-            self.link.release(worker_pb2.Release(request_id=self.session_id, fence=self._fence().to_proto()))
+            self.link.release(
+                worker_pb2.Release(
+                    request_id=self.session_id,
+                    fence=self._fence().to_proto(),
+                    closed=reason in ENDED_FOR_GOOD,
+                )
+            )
             self._bind(None)
         self.outbound.close()
         self._on_closed(self)

@@ -81,7 +81,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                         event_id=ev.event_id,
                     ),
                 )
-        attachment = runner.outbound.attach()
+        attachment = runner.attach_stream()
         reader = asyncio.create_task(self._pump(it, runner, attachment, context))
         try:
             while True:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from duplex.clock import MONOTONIC, Clock
@@ -24,6 +27,8 @@ from duplex.errors import (
     DuplexError,
     ErrorCode,
     FencedError,
+    NotFoundError,
+    PermissionDeniedError,
     UnavailableError,
 )
 from duplex.v1 import session_pb2
@@ -35,6 +40,7 @@ from session_service.resume import (
     DEFAULT_MAX_AGE_S,
     InvalidResumeTokenError,
     ResumeClaims,
+    ResumeKeys,
     ResumeTokenTooLargeError,
     claims_for,
     decode,
@@ -75,13 +81,19 @@ class SessionManager:
         self._cfg = config
         self.registry = registry
         self._placer = placer
-        self._secret = config.resume_secret
+        self._keys = config.resume_keys or ResumeKeys.ephemeral()
         self._max_age_s = resume_max_age_s
         self._wall_clock = wall_clock
         self._clock = clock
-        self.capabilities = plugin.capabilities(max_sessions=config.max_sessions)
+        self.capabilities = dataclasses.replace(
+            plugin.capabilities(max_sessions=config.max_sessions),
+            resume_scope="deployment" if self._keys.shared else "replica",
+        )
         self.draining = False
         self._opening = 0
+        # Sessions held and being opened, by principal (``max_sessions_per_principal``).
+        self._held: Counter[str] = Counter()
+        self._opening_by: Counter[str] = Counter()
         self._locks: dict[str, _SessionLock] = {}
         # The client's validated open extra_body per live session (the base of its tokens).
         self._client_extra: dict[str, dict[str, object]] = {}
@@ -105,16 +117,37 @@ class SessionManager:
         )
 
     def _on_closed(self, runner: SessionRunner) -> None:
+        self._held[runner.principal] -= 1
+        if self._held[runner.principal] <= 0:
+            del self._held[runner.principal]
         self.registry.remove(runner)
         if self.registry.get(runner.session_id) is None:
             self._client_extra.pop(runner.session_id, None)
         ACTIVE_SESSIONS.set(len(self.registry))
 
-    def _admit(self) -> None:
+    def _admit(self, principal: str) -> None:
         if self.draining:
             raise UnavailableError(ErrorCode.DRAINING, "this replica is draining; connect to another")
         if len(self.registry) + self._opening >= self._cfg.max_sessions:
             raise CapacityError(ErrorCode.CAPACITY_EXHAUSTED, f"at most {self._cfg.max_sessions} sessions")
+        limit = self._cfg.max_sessions_per_principal
+        if limit and self._held[principal] + self._opening_by[principal] >= limit:
+            raise CapacityError(
+                ErrorCode.CAPACITY_EXHAUSTED, f"at most {limit} sessions per caller on this replica"
+            )
+
+    @contextlib.contextmanager
+    def _opening_for(self, principal: str) -> Iterator[None]:
+        """Counts a session being opened (or taken over) against the limits until it runs."""
+        self._opening += 1
+        self._opening_by[principal] += 1
+        try:
+            yield
+        finally:
+            self._opening -= 1
+            self._opening_by[principal] -= 1
+            if self._opening_by[principal] <= 0:
+                del self._opening_by[principal]
 
     def _check_turn_detection(self, settings: SessionSettings) -> None:
         if settings.turn_detection.auto_respond and not self.capabilities.turn_detection:
@@ -132,6 +165,7 @@ class SessionManager:
         settings: SessionSettings,
         runtime: Mapping[str, object],
         client_extra: Mapping[str, object],
+        principal: str,
     ) -> ResumeClaims:
         return claims_for(
             settings,
@@ -139,6 +173,7 @@ class SessionManager:
             session_id=session_id,
             runtime_config=runtime,
             client_extra=client_extra,
+            principal=principal,
             now=self._wall_clock(),
         )
 
@@ -147,7 +182,7 @@ class SessionManager:
         otherwise a new one (raises ``ResumeTokenTooLargeError``)."""
         try:
             held = decode(
-                self._secret,
+                self._keys,
                 token,
                 session_id=claims.session_id,
                 max_age_s=self._max_age_s / 2,
@@ -157,7 +192,7 @@ class SessionManager:
             held = None
         if held is not None and held.same_state(claims):
             return token
-        return issue(self._secret, claims)
+        return issue(self._keys, claims)
 
     def refresh_resume_token(self, runner: SessionRunner) -> str:
         """Bring ``runner.resume_token`` up to date with its settings (``update``s change them) and
@@ -167,6 +202,7 @@ class SessionManager:
             runner.settings,
             runner.runtime_config,
             self._client_extra.get(runner.session_id, {}),
+            runner.principal,
         )
         try:
             runner.resume_token = self._current_token(claims, runner.resume_token)
@@ -192,15 +228,14 @@ class SessionManager:
     # ---- open and resume -------------------------------------------------------------------
 
     async def open(self, msg: session_pb2.SessionOpen, *, principal: str = ANONYMOUS) -> SessionRunner:
-        """A new session; raises a call-ending DuplexError for a bad open."""
-        self._admit()
+        """A new session of ``principal``; raises a call-ending DuplexError for a bad open."""
+        self._admit(principal)
         if msg.model and msg.model != self._plugin.plugin_id:
             raise BadRequestError(
                 ErrorCode.MODEL_MISMATCH,
                 f"model {msg.model!r} is not served here (this is {self._plugin.plugin_id!r})",
             )
-        self._opening += 1
-        try:
+        with self._opening_for(principal):
             session_id = f"sess_{uuid.uuid4().hex}"
             try:
                 defaults = self._plugin.default_settings()
@@ -214,29 +249,30 @@ class SessionManager:
                     raise BadRequestError(ErrorCode.MODEL_MISMATCH, f"model {model!r} is not served here")
                 self._plugin.validate_client_extra_body(extra)
                 runtime = await self._plugin.prepare_runtime_config(settings, extra)
-                token = issue(self._secret, self._claims(session_id, settings, runtime, extra))
+                token = issue(self._keys, self._claims(session_id, settings, runtime, extra, principal))
             except DuplexError as err:
                 # The same stable code, but fatal: a session that cannot start ends the call.
                 raise BadRequestError(err.code, err.message) from err
             except ResumeTokenTooLargeError as exc:
                 raise BadRequestError(ErrorCode.INVALID_CONFIG, str(exc)) from exc
             link, epoch = await self._placer(session_id, FIRST_EPOCH, False)
-        finally:
-            self._opening -= 1
-        return self._start(session_id, settings, runtime, extra, link, epoch, token)
+        return self._start(session_id, principal, settings, runtime, extra, link, epoch, token)
 
     async def resume(self, msg: session_pb2.SessionResume, *, principal: str = ANONYMOUS) -> SessionRunner:
-        """Re-bind to a live runner here, or take the session over from another replica."""
+        """Re-bind to a live runner here, or take the session over from another replica; only
+        the principal that opened the session may (``not_session_owner``)."""
         claims = decode(
-            self._secret,
+            self._keys,
             msg.resume_token,
             session_id=msg.session_id,
             max_age_s=self._max_age_s,
             now=self._wall_clock(),
         )
+        _check_owner(claims.principal, principal)
         async with self._session_lock(msg.session_id):
             runner = self.registry.get(msg.session_id)
             if runner is not None and not runner.closed:
+                _check_owner(runner.principal, principal)
                 self.refresh_resume_token(runner)
                 runner.greet()
                 return runner
@@ -268,28 +304,31 @@ class SessionManager:
         return settings, extra, runtime
 
     async def _take_over(self, claims: ResumeClaims, token: str) -> SessionRunner:
-        self._admit()
-        self._opening += 1
-        try:
+        principal = claims.principal
+        self._admit(principal)
+        with self._opening_for(principal):
             settings, extra, runtime = await self._restore(claims)
             try:
-                token = self._current_token(self._claims(claims.session_id, settings, runtime, extra), token)
+                token = self._current_token(
+                    self._claims(claims.session_id, settings, runtime, extra, principal), token
+                )
             except ResumeTokenTooLargeError:
                 pass  # the presented token still describes the session as it was
             try:
                 # takeover: the worker grants a higher epoch, fencing the previous owner out.
                 link, epoch = await self._placer(claims.session_id, FIRST_EPOCH, True)
             except DuplexError as err:
+                if err.code == ErrorCode.SESSION_CLOSED:
+                    raise NotFoundError(ErrorCode.SESSION_CLOSED, "the session was closed") from err
                 if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
                     raise FencedError(ErrorCode.FENCED, f"session is fenced: {err.message}") from err
                 raise
-        finally:
-            self._opening -= 1
-        return self._start(claims.session_id, settings, runtime, extra, link, epoch, token)
+        return self._start(claims.session_id, principal, settings, runtime, extra, link, epoch, token)
 
     def _start(
         self,
         session_id: str,
+        principal: str,
         settings: SessionSettings,
         runtime: dict[str, object],
         extra: dict[str, object],
@@ -300,6 +339,7 @@ class SessionManager:
         """Build, register, greet and start the runner of an opened or taken-over session."""
         runner = SessionRunner(
             session_id=session_id,
+            principal=principal,
             settings=settings,
             runtime_config=runtime,
             link=link,
@@ -308,6 +348,7 @@ class SessionManager:
             deps=self._deps(),
         )
         self._client_extra[session_id] = extra
+        self._held[principal] += 1
         self.registry.add(runner)
         ACTIVE_SESSIONS.set(len(self.registry))
         runner.greet()
@@ -328,3 +369,10 @@ class SessionManager:
         for r in runners:
             r.close("draining")
         await asyncio.gather(*(r.wait_closed() for r in runners))
+
+
+def _check_owner(owner: str, principal: str) -> None:
+    """Only the principal a session belongs to may resume it."""
+    # compare_digest: how much of another caller's principal matched must not show in the time.
+    if not hmac.compare_digest(owner.encode(), principal.encode()):
+        raise PermissionDeniedError(ErrorCode.NOT_SESSION_OWNER, "the session belongs to another caller")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import urllib.request
 import uuid
@@ -23,6 +24,7 @@ from duplex.errors import DuplexError, from_rpc_error
 from duplex.v1 import session_pb2, session_pb2_grpc, worker_pb2
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
+from session_service.resume import ResumeKeys
 from session_service.runner import SessionRunner
 from session_service.server import SessionServer
 from tests.procs import ServiceProcess, start_all, start_service
@@ -130,7 +132,7 @@ class InProcessStack:
 
     workers: list[WorkerServer]
     sessions: list[SessionServer]
-    resume_secret: bytes
+    resume_keys: ResumeKeys
 
     @property
     def session(self) -> SessionServer:
@@ -237,7 +239,7 @@ async def session_server(
     config.setdefault("listen", "127.0.0.1:0")
     config.setdefault("metrics_port", -1)
     config.setdefault("replica_id", f"session-test-{uuid.uuid4().hex[:8]}")
-    config.setdefault("resume_secret", uuid.uuid4().bytes)
+    config.setdefault("resume_keys", ResumeKeys.single(os.urandom(32)))
     config.setdefault("drain_grace_s", 1.0)
     # The stall watchdog runs on the same clock: keep its real-time timeout what it always is.
     config.setdefault(
@@ -276,7 +278,7 @@ async def in_process_stack(
     ``RunnerConfig`` fields; ``clock_speed``: see ``session_server``. Torn down in every case:
     the replicas first, then the workers."""
     service = dict(service or {})
-    secret: bytes = service.pop("resume_secret", None) or uuid.uuid4().bytes
+    keys: ResumeKeys = service.pop("resume_keys", None) or ResumeKeys.single(os.urandom(32))
     async with contextlib.AsyncExitStack() as exits:
         workers = [
             await exits.enter_async_context(
@@ -291,14 +293,14 @@ async def in_process_stack(
                     addresses,
                     plugin=plugin,
                     runner=runner,
-                    resume_secret=secret,
+                    resume_keys=keys,
                     clock_speed=clock_speed,
                     **service,
                 )
             )
             for _ in range(replicas)
         ]
-        yield InProcessStack(workers, sessions, secret)
+        yield InProcessStack(workers, sessions, keys)
 
 
 def _registered(name: str) -> None:

@@ -22,7 +22,7 @@ from session_service.plugin import (
     load_plugin,
 )
 from session_service.plugins.parrot import ParrotPlugin, ParrotSampling
-from session_service.resume import resume_token, verify_resume_token
+from session_service.resume import ResumeKeys, resume_token, verify_resume_token
 
 # ---- loader ---------------------------------------------------------------------------------
 
@@ -290,8 +290,9 @@ def test_rendezvous_is_deterministic_across_processes() -> None:
 
 
 def test_resume_token() -> None:
-    tok = resume_token(b"s3cret", "sess_1")
-    assert verify_resume_token(b"s3cret", "sess_1", tok)
-    assert not verify_resume_token(b"other", "sess_1", tok)
-    assert not verify_resume_token(b"s3cret", "sess_2", tok)
-    assert not verify_resume_token(b"s3cret", "", resume_token(b"s3cret", ""))
+    keys, other = ResumeKeys.single(b"s" * 32), ResumeKeys.single(b"o" * 32)
+    tok = resume_token(keys, "sess_1")
+    assert verify_resume_token(keys, "sess_1", tok)
+    assert not verify_resume_token(other, "sess_1", tok)
+    assert not verify_resume_token(keys, "sess_2", tok)
+    assert not verify_resume_token(keys, "", resume_token(keys, ""))

@@ -10,28 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import hmac
 import json
 from typing import Any
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat
 from duplex.errors import DuplexError, ErrorCode
 from duplex.v1 import session_pb2, worker_pb2
 from session_service import resume
+from session_service.auth import ANONYMOUS
 from session_service.config import ServiceConfig
 from session_service.plugin import SessionSettings, TurnDetection
 from session_service.plugins.parrot import ParrotPlugin
+from session_service.resume import ResumeKeys
 from session_service.routing import SessionRegistry
 from session_service.runner import SessionRunner, WorkerHandle
 from session_service.sessions import SessionManager
 from tests.session_helpers import FakeLink
 from tests.session_helpers import drain as events
 
-SECRET = b"shared-resume-secret"
+SECRET_BYTES = b"shared-resume-secret-of-32-bytes"
+SECRET = ResumeKeys.single(SECRET_BYTES, kid="k1")
 T0 = 1_700_000_000.0
 IN_FMT = PcmFormat(F32LE, 48000, 2)
 OUT_FMT = PcmFormat(S16LE, 24000, 1)
@@ -61,10 +65,16 @@ class Clock:
 
 
 def replica(
-    *, secret: bytes = SECRET, clock: Clock | None = None, placer: FakePlacer | None = None, **kw: object
+    *, secret: ResumeKeys = SECRET, clock: Clock | None = None, placer: FakePlacer | None = None, **kw: object
 ) -> tuple[SessionManager, FakePlacer]:
     placer = placer or FakePlacer()
-    cfg = ServiceConfig(plugin="parrot", workers=("fake:1",), resume_secret=secret, max_sessions=8)
+    cfg = ServiceConfig(
+        plugin="parrot",
+        workers=("fake:1",),
+        resume_keys=kw.pop("resume_keys", secret),  # type: ignore[arg-type]
+        max_sessions=8,
+        **{k: kw.pop(k) for k in ("max_sessions_per_principal",) if k in kw},  # type: ignore[arg-type]
+    )
     manager = SessionManager(
         plugin=ParrotPlugin(),
         config=cfg,
@@ -285,7 +295,7 @@ async def test_expired_and_future_tokens_are_refused_on_every_replica() -> None:
 
 
 async def test_a_token_of_another_secret_or_session_is_refused() -> None:
-    a, _ = replica(secret=b"another-deployment")
+    a, _ = replica(secret=ResumeKeys.single(b"another-deployment-secret-of-32b"))
     b, _ = replica()
     r = await a.open(open_msg())
     other = await b.open(open_msg())
@@ -307,18 +317,26 @@ async def test_a_signed_token_cannot_inject_private_keys_or_another_model() -> N
     b, placer = replica()
     for extra in ({"threshold": 0.01}, {"pitch_semitones": 99}):
         claims = resume.ResumeClaims(
-            session_id="sess_x", issued_at=int(T0), model="parrot", settings=EXPECTED, extra_body=extra
+            session_id="sess_x",
+            issued_at=int(T0),
+            principal=ANONYMOUS,
+            model="parrot",
+            settings=EXPECTED,
+            extra_body=extra,
         )
         with pytest.raises(DuplexError) as err:
             await b.resume(resume_msg("sess_x", resume.issue(SECRET, claims)))
         assert_invalid_token(err.value)
     other_model = resume.ResumeClaims(
-        session_id="sess_x", issued_at=int(T0), model="synthetic", settings=EXPECTED
+        session_id="sess_x", issued_at=int(T0), principal=ANONYMOUS, model="synthetic", settings=EXPECTED
     )
     with pytest.raises(DuplexError) as err:
         await b.resume(resume_msg("sess_x", resume.issue(SECRET, other_model)))
     assert err.value.code == ErrorCode.MODEL_MISMATCH
-    bare = resume.resume_token(SECRET, "sess_x", now=T0)  # proves the id, carries no state
+    # Proves the id (and whose it is), carries no state.
+    bare = resume.issue(
+        SECRET, resume.ResumeClaims(session_id="sess_x", issued_at=int(T0), principal=ANONYMOUS)
+    )
     with pytest.raises(DuplexError) as err:
         await b.resume(resume_msg("sess_x", bare))
     assert_invalid_token(err.value)
@@ -326,24 +344,75 @@ async def test_a_signed_token_cannot_inject_private_keys_or_another_model() -> N
 
 
 def test_decode_refuses_malformed_tokens_without_reading_claims() -> None:
-    claims = resume.ResumeClaims(session_id="s", issued_at=int(T0), model="parrot", settings=EXPECTED)
+    claims = resume.ResumeClaims(
+        session_id="s", issued_at=int(T0), principal="alice", model="parrot", settings=EXPECTED
+    )
     good = resume.issue(SECRET, claims)
     assert resume.decode(SECRET, good, session_id="s", now=T0) == claims
-    for bad in ("", "v1", "v1..", good.replace("v1.", "v2.", 1), good + "=", "é" + good, "x" * 10_000):
+    _, kid, box = good.split(".")
+    flipped = box[:-2] + ("A" if box[-2] != "A" else "B") + box[-1]
+    for bad in (
+        "",
+        "v2",
+        "v2..",
+        f"v1.{kid}.{box}",
+        f"v2.other.{box}",
+        f"v2.{kid}.{flipped}",  # one bit of the ciphertext or its tag changed
+        good + "=",
+        "é" + good,
+        "x" * 10_000,
+    ):
         with pytest.raises(resume.InvalidResumeTokenError):
             resume.decode(SECRET, bad, session_id="s", now=T0)
-    # Signed but not our claims layout (an incompatible issuer): refused, not crashed. The token
-    # is made here from the layout the module documents, which pins that layout too.
-    payload = _b64(json.dumps({"sid": "s", "iat": int(T0), "s": {"i": [1]}}).encode())
-    signed = f"v1.{payload}"
-    mac = _b64(hmac.new(SECRET, b"duplex.resume." + signed.encode(), hashlib.sha256).digest())
+    # Authentic but not our claims layout (an incompatible issuer): refused, not crashed.
     with pytest.raises(resume.InvalidResumeTokenError):
-        resume.decode(SECRET, f"{signed}.{mac}", session_id="s", now=T0)
-    # The same construction over a valid claims payload is a token the module accepts.
-    good_payload = good.split(".")[1]
-    signed = f"v1.{good_payload}"
-    mac = _b64(hmac.new(SECRET, b"duplex.resume." + signed.encode(), hashlib.sha256).digest())
-    assert resume.decode(SECRET, f"{signed}.{mac}", session_id="s", now=T0) == claims
+        resume.decode(
+            SECRET,
+            SECRET.seal(json.dumps({"sid": "s", "iat": int(T0), "s": {"i": [1]}}).encode()),
+            session_id="s",
+            now=T0,
+        )
+    # The layout the module documents, built here from the primitives, is a token it accepts:
+    # that pins the layout.
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"duplex.resume.v2.k1").derive(
+        SECRET_BYTES
+    )
+    nonce = b"\x07" * 12
+    body = json.dumps({"sid": "s", "iat": int(T0), "p": "alice"}).encode()
+    sealed = nonce + AESGCM(key).encrypt(nonce, body, b"duplex.resume.v2.k1")
+    token = f"v2.k1.{_b64(sealed)}"
+    assert resume.decode(SECRET, token, session_id="s", now=T0).principal == "alice"
+
+
+def test_the_token_hides_the_session_it_carries() -> None:
+    claims = resume.ResumeClaims(
+        session_id="sess_x", issued_at=int(T0), principal="alice", model="parrot", settings=EXPECTED
+    )
+    token = resume.issue(SECRET, claims)
+    payload = base64.urlsafe_b64decode(token.split(".")[2] + "==")
+    for secret_part in (b"answer briefly", b"alice", b"sess_x", b"pitch"):
+        assert secret_part not in payload and secret_part.decode() not in token
+
+
+def test_keys_rotate_the_first_encrypts_all_decrypt_and_short_secrets_are_refused() -> None:
+    old = ResumeKeys.single(b"o" * 32, kid="old")
+    rotated = ResumeKeys.parse("new:" + "n" * 32 + ",old:" + "o" * 32)
+    claims = resume.ResumeClaims(session_id="s", issued_at=int(T0), principal="alice")
+    from_old = resume.issue(old, claims)
+    assert resume.decode(rotated, from_old, session_id="s", now=T0) == claims  # old tokens still work
+    from_new = resume.issue(rotated, claims)
+    assert from_new.split(".")[1] == "new"
+    with pytest.raises(resume.InvalidResumeTokenError):
+        resume.decode(old, from_new, session_id="s", now=T0)  # a replica without the new key
+    retired = ResumeKeys.parse("new:" + "n" * 32)
+    with pytest.raises(resume.InvalidResumeTokenError):
+        resume.decode(retired, from_old, session_id="s", now=T0)  # the old key was dropped
+    for bad in ("k1:short", "no-colon", "k1:" + "x" * 32 + ",k1:" + "y" * 32, "bad kid!:" + "x" * 32):
+        with pytest.raises(DuplexError) as err:
+            ResumeKeys.parse(bad)
+        assert err.value.code == ErrorCode.INVALID_CONFIG
+    assert ResumeKeys.from_environment({"DUPLEX_RESUME_SECRETS": "a:" + "x" * 40}).shared
+    assert not ResumeKeys.from_environment({}).shared
 
 
 def _b64(data: bytes) -> str:
@@ -408,7 +477,7 @@ async def test_the_token_is_bounded() -> None:
 def test_bare_token_helpers_keep_their_meaning() -> None:
     tok = resume.resume_token(SECRET, "sess_1")
     assert resume.verify_resume_token(SECRET, "sess_1", tok)
-    assert not resume.verify_resume_token(b"other", "sess_1", tok)
+    assert not resume.verify_resume_token(ResumeKeys.single(b"o" * 32), "sess_1", tok)
     assert not resume.verify_resume_token(SECRET, "sess_2", tok)
     assert not resume.verify_resume_token(SECRET, "sess_1", tok, now=T0 * 2)
 
@@ -426,14 +495,95 @@ def test_client_extra_body_reflects_the_runtime_config_without_private_or_unset_
     assert resume.client_extra_body(plugin, runtime, base) == {"pitch_semitones": 5.0}
 
 
-def test_resume_secret_comes_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_keys_come_from_the_environment_never_argv(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from session_service.cli import config_from_args
 
     base = ["--workers", "127.0.0.1:1", "--listen", "127.0.0.1:0"]
-    monkeypatch.setenv("DUPLEX_RESUME_SECRET", "from-env")
-    assert config_from_args(base).resume_secret == b"from-env"
-    assert config_from_args([*base, "--resume-secret", "flag"]).resume_secret == b"flag"
+    monkeypatch.delenv("DUPLEX_RESUME_SECRET", raising=False)
+    monkeypatch.setenv("DUPLEX_RESUME_SECRETS", "new:" + "n" * 32 + ",old:" + "o" * 32)
+    keys = config_from_args(base).resume_keys
+    assert keys is not None and keys.shared and keys.signing_kid == "new"
+    with pytest.raises(SystemExit):  # there is no flag that would put a secret in argv
+        config_from_args([*base, "--resume-secret", "x" * 32])
+    monkeypatch.setenv("DUPLEX_RESUME_SECRETS", "k:too-short")
+    with pytest.raises(SystemExit) as exit_:
+        config_from_args(base)
+    assert "at least 32" in str(exit_.value) and "too-short" not in str(exit_.value)
+    monkeypatch.delenv("DUPLEX_RESUME_SECRETS")
+    monkeypatch.setenv("DUPLEX_RESUME_SECRET", "s" * 32)  # one key, the older variable
+    keys = config_from_args(base).resume_keys
+    assert keys is not None and keys.shared
     monkeypatch.delenv("DUPLEX_RESUME_SECRET")
-    a, b = config_from_args(base).resume_secret, config_from_args(base).resume_secret
-    assert len(a) == 32 and a != b  # random per process: tokens then work on this replica only
+    keys = config_from_args(base).resume_keys
+    assert keys is not None and not keys.shared  # replica-local, and said so in opened
     assert config_from_args(base).resume_max_age_s == 86_400.0
+
+
+# ---- sessions belong to their principal -----------------------------------------------------------
+
+
+async def test_only_the_principal_that_opened_a_session_may_resume_it() -> None:
+    a, _ = replica()
+    b, placer_b = replica()
+    r = await a.open(open_msg(), principal="alice")
+    assert r.principal == "alice"
+    assert resume.decode(SECRET, r.resume_token, session_id=r.session_id, now=T0 + 1).principal == "alice"
+    for manager in (a, b):  # rebinding a live session here, and taking it over from another replica
+        with pytest.raises(DuplexError) as err:
+            await manager.resume(resume_msg(r), principal="mallory")
+        assert err.value.code == ErrorCode.NOT_SESSION_OWNER
+        assert err.value.status == grpc.StatusCode.PERMISSION_DENIED
+    assert placer_b.calls == [] and not r.closed
+    taken = await b.resume(resume_msg(r), principal="alice")
+    assert taken.principal == "alice" and taken.session_id == r.session_id
+    await close_all(a, b)
+
+
+async def test_one_caller_cannot_fill_the_replica() -> None:
+    a, _ = replica(max_sessions_per_principal=2)
+    first = [await a.open(open_msg(), principal="alice") for _ in range(2)]
+    with pytest.raises(DuplexError) as err:
+        await a.open(open_msg(), principal="alice")
+    assert err.value.code == ErrorCode.CAPACITY_EXHAUSTED and err.value.retryable
+    assert err.value.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (await a.open(open_msg(), principal="bob")).principal == "bob"  # others are not held up
+    first[0].close("client_close")
+    await first[0].wait_closed()
+    assert (await a.open(open_msg(), principal="alice")).principal == "alice"  # capacity comes back
+    await close_all(a)
+
+
+async def test_opened_says_whether_the_token_works_beyond_this_replica() -> None:
+    shared, _ = replica()
+    local, _ = replica(resume_keys=None)
+    for manager, scope in ((shared, "deployment"), (local, "replica")):
+        r = await manager.open(open_msg())
+        assert events(r)[0].opened.capabilities.resume_scope == scope
+    await close_all(shared, local)
+
+
+async def test_a_session_that_ended_is_released_for_good_a_drained_one_is_not() -> None:
+    a, placer = replica()
+    closed = await a.open(open_msg())
+    await closed.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+    await closed.wait_closed()
+    drained = await a.open(open_msg())
+    await a.drain(0)
+    released = {rel.request_id: rel.closed for rel in placer.link.releases}
+    assert released == {closed.session_id: True, drained.session_id: False}
+
+
+async def test_a_resumed_stream_tells_the_one_it_displaces() -> None:
+    a, _ = replica()
+    r = await a.open(open_msg())
+    first = r.attach_stream()
+    assert (await r.outbound.get(first)).WhichOneof("event") == "opened"  # type: ignore[union-attr]
+    await a.resume(resume_msg(r))
+    second = r.attach_stream()
+    farewell = await r.outbound.get(first)
+    assert farewell is not None and farewell.closed.reason == "resumed_elsewhere"
+    assert await r.outbound.get(first) is None  # and then that stream ends
+    assert (await r.outbound.get(second)).WhichOneof("event") == "opened"  # type: ignore[union-attr]
+    await close_all(a)

@@ -418,7 +418,7 @@ async def test_takeover_by_another_replica_fences_the_old_owner_then_drain(stack
     manual = session_pb2.TurnDetection(auto_respond=False)
     # Replica B: the same workers and resume secret as the stack's replica A.
     async with (
-        session_server(stack.worker_addresses, resume_secret=stack.resume_secret) as other,
+        session_server(stack.worker_addresses, resume_keys=stack.resume_keys) as other,
         grpc.aio.insecure_channel(stack.target) as ch_a,
         grpc.aio.insecure_channel(other.address) as ch_b,
     ):

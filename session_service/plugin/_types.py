@@ -27,6 +27,9 @@ class Capabilities:
     """Largest append chunk accepted, in bytes."""
     turn_detection: bool
     """Whether server turn detection is available."""
+    resume_scope: str = "deployment"
+    """Where a resume token works: "deployment" (shared resume secrets) or "replica" (none:
+    set by the session service, not the plugin)."""
 
     def to_proto(self) -> session_pb2.Capabilities:
         return session_pb2.Capabilities(
@@ -37,6 +40,7 @@ class Capabilities:
             max_sessions=self.max_sessions,
             max_append_bytes=self.max_append_bytes,
             turn_detection=self.turn_detection,
+            resume_scope=self.resume_scope,
         )
 
 
