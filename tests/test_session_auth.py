@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -31,10 +32,12 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from duplex import talk
 from duplex.audio import PCM16K_MONO
 from duplex.cli import main
 from duplex.client import ConnectError, DuplexClient
 from duplex.errors import BadRequestError, DuplexError
+from duplex.stack import example_path
 from duplex.tls import ServerTLS
 from duplex.v1 import session_pb2, session_pb2_grpc
 from session_service.auth import JwksVerifier, TokenFile, parse_jwks, parse_token_file, token_digest
@@ -45,6 +48,7 @@ from session_service.server import SessionServer
 from tests.procs import REPO, start_service
 from tests.session_helpers import PARROT, InProcessStack, in_process_stack, sample, session_args
 
+HELLO = example_path("hello.wav")
 AUDIENCE = "duplex-sessions"
 ALICE_TOKEN = "alice-s3cret-token"
 CAROL_TOKEN = "carol-other-token"
@@ -471,6 +475,93 @@ async def test_the_client_reaches_a_tls_and_token_service(pki: Pki, tmp_path: Pa
         async with DuplexClient(stack.target, token=ALICE_TOKEN, connect_timeout_s=0.5) as client:
             with pytest.raises(ConnectError):  # plaintext to a TLS port never connects
                 await client.open_session(timeout_s=2)
+
+
+def _talk_args(target: str, out: Path, *extra: str) -> list[str]:
+    return [str(HELLO), "-o", str(out), "--target", target, "--fast", "--timeout", "30", *extra]
+
+
+async def run_talk(args: Sequence[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``python -m duplex talk ARGS`` (a process of its own: grpc.aio keeps to one event loop per
+    process): its exit code and stderr."""
+    environ = {k: v for k, v in os.environ.items() if k != "DUPLEX_TOKEN"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "duplex",
+        "talk",
+        *args,
+        cwd=REPO,
+        env={**environ, **(env or {})},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, stderr.decode()
+
+
+@pytest.mark.process
+async def test_duplex_talk_reaches_a_tls_and_token_service(pki: Pki, tmp_path: Path) -> None:
+    tokens = write_tokens(tmp_path / "tokens", {ALICE_TOKEN: "alice"})
+    token_file = tmp_path / "token"
+    token_file.write_text(ALICE_TOKEN + "\n")
+    config = {"tls": pki.server(), "auth_tokens": tokens}
+    async with in_process_stack(clock_speed=4.0, service=config) as stack:
+        out = tmp_path / "reply.wav"
+        tls = ("--tls-ca", str(pki.ca_file))
+        code, err = await run_talk(_talk_args(stack.target, out, *tls, "--token-file", str(token_file)))
+        assert code == 0, err
+        assert out.exists()
+        out.unlink()
+        code, err = await run_talk(_talk_args(stack.target, out, *tls), env={"DUPLEX_TOKEN": ALICE_TOKEN})
+        assert code == 0, err
+        assert out.exists()
+
+
+@pytest.mark.process
+async def test_duplex_talk_says_unauthenticated_with_its_own_exit_code(pki: Pki, tmp_path: Path) -> None:
+    tokens = write_tokens(tmp_path / "tokens", {ALICE_TOKEN: "alice"})
+    async with service(tls=pki.server(), auth_tokens=tokens) as stack:
+        out = tmp_path / "reply.wav"
+        args = _talk_args(stack.target, out, "--tls-ca", str(pki.ca_file))
+        for env in ({"DUPLEX_TOKEN": "not-alice"}, None):
+            code, err = await run_talk(args, env=env)
+            lines = err.strip().splitlines()
+            assert code == 4, err
+            # The header line, then one line that says what happened.
+            assert len(lines) == 2 and f"{stack.target} refused the credentials" in lines[1], lines
+            assert lines[1].endswith("[unauthenticated]") and "not-alice" not in err
+            assert ("no token given" in lines[1]) == (env is None)
+        assert not out.exists()
+
+
+def test_talk_help_documents_the_credentials(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        talk.main(["--help"])
+    out = capsys.readouterr().out
+    assert "4  the service refused the credentials" in out
+    for flag in ("--tls-ca", "--tls-cert", "--tls-key", "--token-file", "DUPLEX_TOKEN"):
+        assert flag in out
+    with pytest.raises(SystemExit) as exit_:  # a token is never taken from the command line
+        talk.main([str(HELLO), "--token", ALICE_TOKEN])
+    assert exit_.value.code == 2
+
+
+def test_talk_refuses_an_unusable_token_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for content in (None, "", "two words\n"):
+        path = tmp_path / "token"
+        path.unlink(missing_ok=True)
+        if content is not None:
+            path.write_text(content)
+        assert talk.main([str(HELLO), "--token-file", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "token file" in err[0] and "words" not in err[0], err
 
 
 # ---- the pieces, directly -------------------------------------------------------------------
