@@ -27,6 +27,11 @@ Errors: everything raised here is a ``duplex.errors.DuplexError`` carrying a sta
 event, or raised as ``ServerErrorEvent`` when the session was opened with
 ``raise_on_error=True``.
 
+Credentials: ``DuplexClient(target, credentials=tls_credentials(ca=...), token=...)`` talks TLS
+(trusting ``ca``; with ``cert``/``key`` also presenting a client certificate) and sends
+``authorization: Bearer <token>`` with every call, resumes included. A refusal is
+``UnauthenticatedError`` with the code ``unauthenticated``.
+
 Reconnects: when the server drains it sends ``go_away`` (with a fresh resume token) and ends
 the stream; the session then calls ``Session.reconnect`` -- the one place that re-attaches
 with ``resume`` -- on the same target and carries on. Sends issued meanwhile wait for it.
@@ -144,6 +149,51 @@ def load_wav_as(path: str | Path, fmt: PcmFormat) -> bytes:
     return encode(mono, fmt)
 
 
+def tls_credentials(
+    *, ca: Path | None = None, cert: Path | None = None, key: Path | None = None
+) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: trust ``ca`` (default: the system's roots) and,
+    with ``cert`` and ``key``, present that client certificate (mutual TLS). Raises
+    ``DuplexClientError`` (``invalid_config``) for a missing half of a pair or a file that
+    cannot be read."""
+    if (cert is None) != (key is None):
+        raise DuplexClientError(ErrorCode.INVALID_CONFIG, "a client certificate needs both its cert and key")
+    try:
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca.read_bytes() if ca is not None else None,
+            private_key=key.read_bytes() if key is not None else None,
+            certificate_chain=cert.read_bytes() if cert is not None else None,
+        )
+    except OSError as exc:
+        raise DuplexClientError(
+            ErrorCode.INVALID_CONFIG, f"cannot read {exc.filename}: {exc.strerror or exc}"
+        ) from exc
+
+
+def read_token(path: Path) -> str:
+    """A bearer token from a file (surrounding whitespace, such as a final newline, dropped).
+    Raises ``DuplexClientError`` (``invalid_config``) for a file that cannot be read, is empty,
+    or holds what cannot be a token (whitespace or control characters inside)."""
+    try:
+        token = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not ASCII"
+        raise DuplexClientError(
+            ErrorCode.INVALID_CONFIG, f"cannot read the token file {path}: {why}"
+        ) from exc
+    check_token(token, f"the token file {path}")
+    return token
+
+
+def check_token(token: str, source: str = "the token") -> None:
+    """Raise ``DuplexClientError`` unless ``token`` can travel as a bearer token (printable
+    ASCII without spaces). The message never quotes the token."""
+    if not token or not all(33 <= ord(c) <= 126 for c in token):
+        raise DuplexClientError(
+            ErrorCode.INVALID_CONFIG, f"{source}: a token is printable ASCII without spaces, and not empty"
+        )
+
+
 class SeqCounter:
     """Append sequence numbers: 1, 2, 3, ... within an epoch, back to 1 on a new epoch.
 
@@ -168,8 +218,8 @@ class DuplexClient:
     """A channel to a session service; opens and resumes sessions.
 
     ``target`` is ``HOST:PORT`` (or any gRPC target string). Pass ``credentials``
-    (``grpc.ssl_channel_credentials(...)``) for TLS and ``token`` to send
-    ``authorization: Bearer <token>`` with every call. ``options`` are extra gRPC
+    (``tls_credentials(ca=...)`` or any ``grpc.ssl_channel_credentials(...)``) for TLS and
+    ``token`` to send ``authorization: Bearer <token>`` with every call. ``options`` are extra gRPC
     channel options, appended to ``duplex.serving.CHANNEL_OPTIONS``.
     """
 
@@ -182,6 +232,8 @@ class DuplexClient:
         options: Iterable[tuple[str, Any]] = (),
         connect_timeout_s: float = 5.0,
     ) -> None:
+        if token:
+            check_token(token)
         self.target = target
         self.credentials = credentials
         self.token = token

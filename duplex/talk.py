@@ -33,8 +33,8 @@ from duplex.audio import (
     to_mono,
     write_wav,
 )
-from duplex.client import DuplexClient, Session, event_kind
-from duplex.errors import DuplexError
+from duplex.client import DuplexClient, Session, check_token, event_kind, read_token, tls_credentials
+from duplex.errors import DuplexError, ErrorCode
 from duplex.v1 import session_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -43,6 +43,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # the conversation went wrong: server error, failed response, timeout, no reply
 EXIT_USAGE = 2  # bad arguments or an unreadable input file
 EXIT_UNREACHABLE = 3  # nothing answers at the target (or it is unavailable)
+EXIT_UNAUTHENTICATED = 4  # the service refused the credentials (none, or not valid there)
 
 _STATUS = {
     session_pb2.RESPONSE_STATUS_COMPLETED: "completed",
@@ -365,6 +366,7 @@ def write_reply(result: TalkResult, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="duplex talk",
+        allow_abbrev=False,  # "--token SECRET" must not pass as --token-file
         description="Talk a WAV file through a duplex session and save the spoken reply.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -372,10 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
             "  0  the reply was written\n"
             "  1  the conversation failed (server error, failed response, timeout, no reply)\n"
             "  2  bad arguments or an unreadable/malformed input file\n"
-            "  3  cannot reach the session service at --target\n\n"
-            "example:\n"
-            "  duplex up &     # the local stack, on 127.0.0.1:50051\n"
-            "  duplex talk examples/hello.wav -o reply.wav"
+            "  3  cannot reach the session service at --target\n"
+            "  4  the service refused the credentials (code unauthenticated)\n\n"
+            "credentials: the bearer token comes from --token-file or $DUPLEX_TOKEN, never from\n"
+            "the command line; --tls-ca (or --tls for the system's roots) turns on TLS.\n\n"
+            "examples:\n"
+            "  duplex up &     # the local stack, on 127.0.0.1:50051 (plaintext, no credentials)\n"
+            "  duplex talk examples/hello.wav -o reply.wav\n"
+            "  duplex talk in.wav --target duplex.example:443 --tls-ca ca.crt --token-file token"
         ),
     )
     p.add_argument("input", type=Path, help="WAV file (any rate, integer or float PCM, any channels)")
@@ -405,10 +411,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--connect-timeout", type=float, default=5.0, metavar="S", help="connecting gives up after S seconds"
     )
-    p.add_argument("--token", default=os.environ.get("DUPLEX_TOKEN"), help="bearer token ($DUPLEX_TOKEN)")
-    p.add_argument("--tls", action="store_true", help="connect with TLS (system roots, or --ca)")
-    p.add_argument("--ca", type=Path, help="PEM file with the CA for --tls")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="PATH",
+        help="file holding the bearer token sent as 'authorization: Bearer' (default: $DUPLEX_TOKEN)",
+    )
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CA roots")
+    p.add_argument("--tls-ca", type=Path, metavar="PATH", help="connect with TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", type=Path, metavar="PATH", help="client certificate (PEM) for mutual TLS")
+    p.add_argument("--tls-key", type=Path, metavar="PATH", help="the client certificate's private key (PEM)")
     return p
+
+
+def _credentials(args: argparse.Namespace) -> tuple[grpc.ChannelCredentials | None, str | None]:
+    """The channel credentials and bearer token the arguments ask for; raises ``DuplexError``."""
+    token: str | None = None
+    if args.token_file is not None:
+        token = read_token(args.token_file)
+    elif os.environ.get("DUPLEX_TOKEN"):
+        token = os.environ["DUPLEX_TOKEN"].strip()
+        check_token(token, "$DUPLEX_TOKEN")
+    tls = args.tls or args.tls_ca is not None or args.tls_cert is not None or args.tls_key is not None
+    if not tls:
+        return None, token
+    return tls_credentials(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key), token
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,27 +446,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"duplex talk: {exc}", file=sys.stderr)
         return EXIT_USAGE
     out_path: Path = args.out or args.input.with_suffix(".reply.wav")
-    credentials: grpc.ChannelCredentials | None = None
-    if args.tls:
-        credentials = grpc.ssl_channel_credentials(args.ca.read_bytes() if args.ca else None)
+    try:
+        credentials, token = _credentials(args)
+    except DuplexError as exc:
+        print(f"duplex talk: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
     print(
         f"{audio.path}: {audio.source_rate} Hz, {audio.source_channels} ch, {audio.duration_ms / 1000:.2f} s "
         f"-> {args.target}",
         file=sys.stderr,
     )
     try:
-        return asyncio.run(_run(args, audio, out_path, credentials))
+        return asyncio.run(_run(args, audio, out_path, credentials, token))
     except KeyboardInterrupt:
         print("\nduplex talk: interrupted", file=sys.stderr)
         return 130
 
 
 async def _run(
-    args: argparse.Namespace, audio: InputAudio, out_path: Path, credentials: grpc.ChannelCredentials | None
+    args: argparse.Namespace,
+    audio: InputAudio,
+    out_path: Path,
+    credentials: grpc.ChannelCredentials | None,
+    token: str | None,
 ) -> int:
     try:
         client = DuplexClient(
-            args.target, credentials=credentials, token=args.token, connect_timeout_s=args.connect_timeout
+            args.target, credentials=credentials, token=token, connect_timeout_s=args.connect_timeout
         )
         async with client:
             result = await talk(
@@ -455,6 +488,13 @@ async def _run(
         if exc.status == grpc.StatusCode.UNAVAILABLE:
             print(f"duplex talk: cannot reach {args.target}: {exc.message} [{exc.code}]", file=sys.stderr)
             return EXIT_UNREACHABLE
+        if exc.code == ErrorCode.UNAUTHENTICATED:
+            hint = "" if token else " (no token given: --token-file or $DUPLEX_TOKEN)"
+            print(
+                f"duplex talk: {args.target} refused the credentials{hint}: {exc.message} [{exc.code}]",
+                file=sys.stderr,
+            )
+            return EXIT_UNAUTHENTICATED
         print(f"duplex talk: {exc.message} [{exc.code}]", file=sys.stderr)
         return EXIT_FAILED
     except TalkError as exc:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import uuid
+from pathlib import Path
 
-from duplex.errors import DuplexError
+from duplex.errors import BadRequestError, DuplexError, ErrorCode
 from duplex.serving import split_host_port
+from duplex.tls import ServerTLS
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
 from session_service.resume import DEFAULT_MAX_AGE_S, ResumeKeys
@@ -63,11 +65,61 @@ def _parser() -> argparse.ArgumentParser:
         default=ServiceConfig(plugin="", workers=()).worker_stall_timeout_s,
         help="treat a worker as lost when it owes output and sends none for this long (0 = never)",
     )
+    trust = p.add_argument_group(
+        "TLS and authentication",
+        "Without --auth-tokens, --auth-jwks or --tls-client-ca the API is unauthenticated and "
+        "listens on loopback only, unless --insecure. The health service needs no credentials.",
+    )
+    trust.add_argument(
+        "--tls-cert", type=Path, metavar="PATH", help="serve TLS with this certificate chain (PEM)"
+    )
+    trust.add_argument("--tls-key", type=Path, metavar="PATH", help="the private key of --tls-cert (PEM)")
+    trust.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="PATH",
+        help="require a client certificate signed by this CA (PEM); its identity is the principal",
+    )
+    trust.add_argument(
+        "--auth-tokens",
+        type=Path,
+        metavar="PATH",
+        help="bearer tokens: lines PRINCIPAL:SHA256_HEX (the hex SHA-256 of the token), re-read when changed",
+    )
+    trust.add_argument(
+        "--auth-jwks",
+        type=Path,
+        metavar="PATH",
+        help="JWT bearer tokens verified against this JWKS file (re-read when changed); sub is the principal",
+    )
+    trust.add_argument("--auth-audience", default="", metavar="AUD", help="the aud a JWT must carry")
+    trust.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve an unauthenticated API on a non-loopback address (otherwise refused)",
+    )
+    trust.add_argument(
+        "--no-reflection", action="store_true", help="do not serve gRPC reflection (authenticated otherwise)"
+    )
     return p
 
 
+def _tls(p: argparse.ArgumentParser, args: argparse.Namespace) -> ServerTLS | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is None:
+        if args.tls_client_ca is not None:
+            p.error("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    return ServerTLS(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+
+
 def config_from_args(argv: list[str]) -> ServiceConfig:
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    tls = _tls(p, args)
+    if (args.auth_jwks is None) != (not args.auth_audience):
+        p.error("--auth-jwks and --auth-audience go together")
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     if not workers:
         raise SystemExit("duplex session: --workers needs at least one HOST:PORT")
@@ -105,6 +157,12 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         replica_id=args.replica_id or f"session-{uuid.uuid4().hex[:12]}",
         drain_grace_s=args.drain_grace_s,
         worker_stall_timeout_s=args.worker_stall_timeout_s,
+        tls=tls,
+        auth_tokens=args.auth_tokens,
+        auth_jwks=args.auth_jwks,
+        auth_audience=args.auth_audience,
+        insecure=args.insecure,
+        reflection=not args.no_reflection,
         runner=RunnerConfig(
             idle_timeout_s=args.idle_timeout_s,
             silence_continuation=not args.no_silence_continuation,
@@ -113,14 +171,54 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
     )
 
 
+def check_trust(cfg: ServiceConfig) -> None:
+    """Refuse what the service would refuse at start, before anything runs: TLS files that
+    cannot be read, a token or JWKS file that cannot be used (a malformed line is named by its
+    number), an unauthenticated API on anything but loopback without --insecure. Raises
+    ``DuplexError`` (``invalid_config``)."""
+    from duplex.tls import server_credentials
+    from session_service.auth import authenticator_for
+
+    authenticator_for(cfg, warn=False)  # the server warns when it starts
+    if cfg.tls is not None:
+        server_credentials(cfg.tls)  # readable
+        _check_pem(cfg.tls)
+
+
+def _check_pem(tls: ServerTLS) -> None:
+    """The TLS files hold what they should (gRPC would only fail each handshake)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    def bad(flag: str, path: Path, what: str) -> BadRequestError:
+        return BadRequestError(ErrorCode.INVALID_CONFIG, f"{flag} {path}: {what}")
+
+    try:
+        chain = x509.load_pem_x509_certificates(tls.cert.read_bytes())
+    except ValueError:
+        raise bad("--tls-cert", tls.cert, "not a PEM certificate chain") from None
+    try:
+        key = serialization.load_pem_private_key(tls.key.read_bytes(), password=None)
+    except (ValueError, TypeError):
+        raise bad("--tls-key", tls.key, "not an unencrypted PEM private key") from None
+    if chain[0].public_key() != key.public_key():
+        raise bad("--tls-key", tls.key, "is not the key of --tls-cert")
+    if tls.client_ca is not None:
+        try:
+            x509.load_pem_x509_certificates(tls.client_ca.read_bytes())
+        except ValueError:
+            raise bad("--tls-client-ca", tls.client_ca, "not a PEM certificate") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(sys.argv[1:] if argv is None else argv)
     try:
         plugin = load_plugin(cfg.plugin)
+        check_trust(cfg)
     except DuplexError as err:
         print(f"duplex session: {err.message}", file=sys.stderr)
         return 2
-    from session_service.server import run  # grpc only once the arguments are good
+    from session_service.server import run  # the server only once the arguments are good
 
     return run(cfg, plugin)
 

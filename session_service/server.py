@@ -27,7 +27,9 @@ from duplex.serving import (
     server_options,
     split_host_port,
 )
+from duplex.tls import server_credentials
 from duplex.v1 import session_pb2_grpc
+from session_service.auth import authenticator_for
 from session_service.config import ServiceConfig
 from session_service.placement import WorkerPool
 from session_service.plugin import DuplexModelPlugin
@@ -50,6 +52,9 @@ class SessionServer:
         self.config = config
         self.plugin = plugin
         self._clock = clock
+        # Who may call: loads the token and JWKS files, and refuses an unauthenticated API on
+        # anything but loopback (without --insecure) before anything is made.
+        self.auth = authenticator_for(config)
         self.registry = SessionRegistry()
         self.router = Router(self.registry)
         self.pool: WorkerPool[WorkerLink] = WorkerPool(
@@ -93,15 +98,21 @@ class SessionServer:
         """Bind and serve (health NOT_SERVING until a worker of the plugin's model is reachable)."""
         # One client event is at most an append of max_append_bytes (plus its envelope) or a small
         # config; anything bigger is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
+        # Authentication is one interceptor in front of every service but health: a call
+        # without valid credentials is refused before its handler runs (no session state).
         server = self._server = grpc.aio.server(
-            options=server_options(max_receive_bytes=self.plugin.max_append_bytes + 64 * 1024)
+            options=server_options(max_receive_bytes=self.plugin.max_append_bytes + 64 * 1024),
+            interceptors=[self.auth.interceptor()] if self.auth.enabled else None,
         )
-        session_pb2_grpc.add_DuplexSessionServicer_to_server(
-            DuplexSessionServicer(self.manager, open_timeout_s=self.config.open_timeout_s), server
+        servicer = DuplexSessionServicer(
+            self.manager, open_timeout_s=self.config.open_timeout_s, principal_of=self.auth.principal_of
         )
+        session_pb2_grpc.add_DuplexSessionServicer_to_server(servicer, server)
         health = self._health = Health(server, [SERVICE_NAME])
-        add_reflection(server, [SERVICE_NAME])
-        self.port = bind(server, self.config.listen)
+        if self.config.reflection:
+            add_reflection(server, [SERVICE_NAME])
+        tls = self.config.tls
+        self.port = bind(server, self.config.listen, server_credentials(tls) if tls is not None else None)
         if self.config.metrics_port >= 0:
             self.metrics = serve_metrics(self.config.metrics_host, self.config.metrics_port)
         await server.start()
@@ -109,10 +120,12 @@ class SessionServer:
         self.pool.health_listeners.append(self._workers_changed)
         self.pool.start()
         log.info(
-            "session service %s: plugin %s, workers %s",
+            "session service %s: plugin %s, workers %s, %s, %s",
             self.config.replica_id,
             self.plugin.plugin_id,
             ",".join(self.config.workers),
+            "plaintext" if tls is None else "TLS" + (" with client certificates" if tls.client_ca else ""),
+            self.auth.describe(),
         )
 
     async def wait_ready(self, within_s: float) -> bool:
