@@ -87,6 +87,10 @@ class OutputHub:
         OWNER_STREAMS.set(len(self._channels))
         return channel
 
+    def owners(self) -> list[str]:
+        """The owners with an open Run stream."""
+        return list(self._channels)
+
     def has(self, owner: str) -> bool:
         """Whether ``owner`` has an open Run stream."""
         return owner in self._channels

@@ -81,6 +81,10 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         self._request_ids: dict[str, str] = {}
         self._reapers: dict[str, asyncio.Task[None]] = {}
 
+    @property
+    def fences(self) -> FenceTable:
+        return self._fences
+
     def _serving_model(self) -> StepModel[Any]:
         if self._state.failed:
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the worker's engine failed")
