@@ -112,7 +112,7 @@ class OutputHub:
             if channel is None:
                 continue  # the owner has no stream now; its sessions' output has nowhere to go
             if not channel.push(item):
-                logger.warning("owner %s fell %d steps behind: ending its stream", owner, self._maxsize)
+                logger.warning("owner %r fell %d steps behind: ending its stream", owner, self._maxsize)
                 OWNER_CUTOFFS.inc()
                 channel.close(CapacityError(WorkerErrorCode.CAPACITY, "the owner's output queue is full"))
                 self.discard(channel)

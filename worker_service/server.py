@@ -137,8 +137,14 @@ class WorkerServer:
             on_fatal=lambda exc: loop.call_soon_threadsafe(self._engine_failed, exc),
             torch_threads=self.config.torch_threads,
         )
+        fences = FenceTable(
+            self.config.max_sessions,
+            authorize=self.config.mutual_tls,
+            tombstone_ttl_s=self.config.tombstone_ttl_s,
+            max_closed=self.config.max_closed_sessions,
+        )
         servicer = self._servicer = DuplexWorkerServicer(
-            self.config, self.state, self._engine, self._hub, FenceTable(self.config.max_sessions)
+            self.config, self.state, self._engine, self._hub, fences
         )
         worker_pb2_grpc.add_DuplexWorkerServicer_to_server(servicer, server)
         self.port = bind(server, self.config.listen, self._credentials)
