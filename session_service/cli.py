@@ -7,9 +7,11 @@ import os
 import secrets
 import sys
 import uuid
+from pathlib import Path
 
 from duplex.errors import DuplexError
 from duplex.serving import split_host_port
+from duplex.tls import ClientTLS
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
 from session_service.resume import DEFAULT_MAX_AGE_S
@@ -58,7 +60,36 @@ def _parser() -> argparse.ArgumentParser:
         default=ServiceConfig(plugin="", workers=()).worker_stall_timeout_s,
         help="treat a worker as lost when it owes output and sends none for this long (0 = never)",
     )
+    p.add_argument(
+        "--worker-tls-ca",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="mutual TLS towards the workers: the CA that signed their certificates (PEM)",
+    )
+    p.add_argument(
+        "--worker-tls-cert",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="this replica's client certificate towards the workers (PEM; its identity is the owner's)",
+    )
+    p.add_argument("--worker-tls-key", type=Path, default=None, metavar="PATH", help="its private key (PEM)")
     return p
+
+
+def _worker_tls(args: argparse.Namespace) -> ClientTLS | None:
+    """``--worker-tls-*``: files re-read whenever a worker link makes a new channel."""
+    if args.worker_tls_ca is None:
+        if args.worker_tls_cert is not None or args.worker_tls_key is not None:
+            raise SystemExit("duplex session: --worker-tls-cert/--worker-tls-key need --worker-tls-ca")
+        return None
+    try:
+        return ClientTLS(ca=args.worker_tls_ca, cert=args.worker_tls_cert, key=args.worker_tls_key)
+    except DuplexError as err:
+        raise SystemExit(
+            f"duplex session: --worker-tls-cert and --worker-tls-key go together ({err.message})"
+        ) from err
 
 
 def _resume_secret(flag: str | None) -> bytes:
@@ -86,6 +117,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         raise SystemExit("duplex session: --worker-stall-timeout-s must not be negative")
     if args.max_sessions < 1 or args.idle_timeout_s <= 0:
         raise SystemExit("duplex session: --max-sessions and --idle-timeout-s must be positive")
+    worker_tls = _worker_tls(args)
     return ServiceConfig(
         plugin=args.plugin,
         workers=workers,
@@ -98,6 +130,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         replica_id=args.replica_id or f"session-{uuid.uuid4().hex[:12]}",
         drain_grace_s=args.drain_grace_s,
         worker_stall_timeout_s=args.worker_stall_timeout_s,
+        worker_tls=worker_tls,
         runner=RunnerConfig(
             idle_timeout_s=args.idle_timeout_s,
             silence_continuation=not args.no_silence_continuation,
