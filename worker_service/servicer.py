@@ -36,7 +36,7 @@ from duplex.errors import (
 )
 from duplex.fence import Fence
 from duplex.tls import peer_identity
-from duplex.v1 import worker_pb2, worker_pb2_grpc
+from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_service.config import WorkerConfig
 from worker_service.delivery import OutputHub, OwnerChannel
 from worker_service.engine import (
@@ -91,7 +91,7 @@ def _clip(value: str) -> str:
     return value[:MAX_ID_LENGTH]
 
 
-def _clip_fence(msg: Any) -> Fence:
+def _clip_fence(msg: common_pb2.Fence) -> Fence:
     return Fence(_clip(msg.session_id), msg.epoch, msg.turn_id)
 
 
