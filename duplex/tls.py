@@ -80,7 +80,12 @@ class WatchedFiles:
     def _stamps(self) -> tuple[tuple[int, int, int, int], ...]:
         out = []
         for path in self.paths:
-            st = os.stat(path)
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                raise BadRequestError(
+                    ErrorCode.INVALID_CONFIG, f"cannot read {exc.filename}: {exc.strerror}"
+                ) from exc
             out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
         return tuple(out)
 

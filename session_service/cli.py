@@ -9,7 +9,7 @@ from pathlib import Path
 
 from duplex.errors import BadRequestError, DuplexError, ErrorCode
 from duplex.serving import split_host_port
-from duplex.tls import ServerTLS
+from duplex.tls import ClientTLS, ServerTLS
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
 from session_service.resume import DEFAULT_MAX_AGE_S, ResumeKeys
@@ -101,6 +101,21 @@ def _parser() -> argparse.ArgumentParser:
     trust.add_argument(
         "--no-reflection", action="store_true", help="do not serve gRPC reflection (authenticated otherwise)"
     )
+    p.add_argument(
+        "--worker-tls-ca",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="mutual TLS towards the workers: the CA that signed their certificates (PEM)",
+    )
+    p.add_argument(
+        "--worker-tls-cert",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="this replica's client certificate towards the workers (PEM; its identity is the owner's)",
+    )
+    p.add_argument("--worker-tls-key", type=Path, default=None, metavar="PATH", help="its private key (PEM)")
     return p
 
 
@@ -112,6 +127,20 @@ def _tls(p: argparse.ArgumentParser, args: argparse.Namespace) -> ServerTLS | No
             p.error("--tls-client-ca needs --tls-cert and --tls-key")
         return None
     return ServerTLS(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+
+
+def _worker_tls(args: argparse.Namespace) -> ClientTLS | None:
+    """``--worker-tls-*``: files re-read whenever a worker link makes a new channel."""
+    if args.worker_tls_ca is None:
+        if args.worker_tls_cert is not None or args.worker_tls_key is not None:
+            raise SystemExit("duplex session: --worker-tls-cert/--worker-tls-key need --worker-tls-ca")
+        return None
+    try:
+        return ClientTLS(ca=args.worker_tls_ca, cert=args.worker_tls_cert, key=args.worker_tls_key)
+    except DuplexError as err:
+        raise SystemExit(
+            f"duplex session: --worker-tls-cert and --worker-tls-key go together ({err.message})"
+        ) from err
 
 
 def config_from_args(argv: list[str]) -> ServiceConfig:
@@ -142,6 +171,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         resume_keys = ResumeKeys.from_environment()
     except DuplexError as err:
         raise SystemExit(f"duplex session: {err.message}") from err
+    worker_tls = _worker_tls(args)
     return ServiceConfig(
         plugin=args.plugin,
         workers=workers,
@@ -163,6 +193,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         auth_audience=args.auth_audience,
         insecure=args.insecure,
         reflection=not args.no_reflection,
+        worker_tls=worker_tls,
         runner=RunnerConfig(
             idle_timeout_s=args.idle_timeout_s,
             silence_continuation=not args.no_silence_continuation,
@@ -172,17 +203,19 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
 
 
 def check_trust(cfg: ServiceConfig) -> None:
-    """Refuse what the service would refuse at start, before anything runs: TLS files that
-    cannot be read, a token or JWKS file that cannot be used (a malformed line is named by its
-    number), an unauthenticated API on anything but loopback without --insecure. Raises
-    ``DuplexError`` (``invalid_config``)."""
-    from duplex.tls import server_credentials
+    """Refuse what the service would refuse at start, before anything runs: TLS files (its own,
+    and those towards the workers) that cannot be read, a token or JWKS file that cannot be used
+    (a malformed line is named by its number), an unauthenticated API on anything but loopback
+    without --insecure. Raises ``DuplexError`` (``invalid_config``)."""
+    from duplex.tls import ChannelCredentials, server_credentials
     from session_service.auth import authenticator_for
 
     authenticator_for(cfg, warn=False)  # the server warns when it starts
     if cfg.tls is not None:
         server_credentials(cfg.tls)  # readable
         _check_pem(cfg.tls)
+    if cfg.worker_tls is not None:
+        ChannelCredentials(cfg.worker_tls)  # readable
 
 
 def _check_pem(tls: ServerTLS) -> None:

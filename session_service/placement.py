@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 #: Attach outcomes that say "this worker did not answer" (try the next one), not "it refused".
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
+#: Attach refusals that are final and passed through as they are: fenced out by another owner
+#: or epoch, or the session was closed for good (its worker keeps a tombstone).
+_REFUSALS = frozenset(
+    {ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED, ErrorCode.SESSION_CLOSED}
+)
+
 
 def _score(key: str, node: str) -> int:
     # A keyed cryptographic hash, not hash(): stable across processes and Python versions.
@@ -132,7 +138,8 @@ class WorkerPool(Generic[L]):
         link and the granted epoch.
 
         A worker that does not answer the Attach (gone, or its stream lost meanwhile) is skipped
-        for the next one in rendezvous order; a fencing refusal is final. The link returned is
+        for the next one in rendezvous order; a fencing refusal (``stale_epoch``, ``not_owner``,
+        ``fenced``) or ``session_closed`` is final and raised as it is. The link returned is
         healthy and on the same Run stream the Attach was made under, so the session's first
         submission reaches the worker that holds its attachment.
         """
@@ -156,7 +163,7 @@ class WorkerPool(Generic[L]):
                     session_id, epoch, takeover=takeover, deadline_s=self._attach_timeout_s
                 )
             except DuplexError as err:
-                if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
+                if err.code in _REFUSALS:
                     raise
                 if err.status not in _UNREACHABLE:
                     raise UnavailableError(

@@ -27,7 +27,7 @@ from duplex.serving import (
     server_options,
     split_host_port,
 )
-from duplex.tls import server_credentials
+from duplex.tls import ChannelCredentials, server_credentials
 from duplex.v1 import session_pb2_grpc
 from session_service.auth import authenticator_for
 from session_service.config import ServiceConfig
@@ -76,6 +76,8 @@ class SessionServer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _link(self, address: str, on_health: Callable[[], None]) -> WorkerLink:
+        # Mutual TLS towards the workers: each link re-reads the files when it makes a channel.
+        tls = self.config.worker_tls
         return WorkerLink(
             address,
             owner=self.config.replica_id,
@@ -86,6 +88,7 @@ class SessionServer:
             backoff_max_s=self.config.worker_backoff_max_s,
             stall_timeout_s=self.config.worker_stall_timeout_s,
             clock=self._clock,
+            credentials=ChannelCredentials(tls) if tls is not None else None,
         )
 
     @property

@@ -7,6 +7,10 @@ router (its sessions get ``worker_unavailable`` and move on their next submissio
 reconnects with jittered backoff; the channel's own reconnect backoff is capped the same way, so
 a worker restarted after a long outage is back within ``backoff_max_s`` or so.
 
+With ``credentials`` (mutual TLS towards the workers) the channel is a TLS channel made from
+``ChannelCredentials.current()``; a reconnect asks again and, when the certificate files changed
+(a rotated Secret), replaces the channel, so the next connection uses the new certificate.
+
 A watchdog task per stream polls the link's ``Liveness`` (``session_service.liveness``) a few
 times per stall timeout; when the worker has owed something and sent nothing for
 ``stall_timeout_s``, the link is lost exactly as if the stream had dropped, and reconnects with
@@ -27,6 +31,7 @@ import grpc
 from duplex.clock import MONOTONIC, Clock
 from duplex.errors import ErrorCode, UnavailableError, from_rpc_error
 from duplex.serving import CHANNEL_OPTIONS
+from duplex.tls import ChannelCredentials
 from duplex.v1 import worker_pb2, worker_pb2_grpc
 from session_service.liveness import Liveness, WorkerStalledError
 from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS
@@ -77,8 +82,10 @@ class WorkerLink:
         backoff_max_s: float = 5.0,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         clock: Clock = MONOTONIC,
+        credentials: ChannelCredentials | None = None,
     ) -> None:
-        """``clock``: what the stall watchdog and the liveness record measure time on."""
+        """``clock``: what the stall watchdog and the liveness record measure time on;
+        ``credentials``: TLS towards the worker (None: plaintext)."""
         self.address = address
         self._clock = clock
         WORKER_STALLS.labels(worker=address)  # present at 0 from the start, for alerts
@@ -88,7 +95,10 @@ class WorkerLink:
         self._on_lost = on_lost
         self._on_health = on_health
         self._backoff_max_s = backoff_max_s
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(backoff_max_s))
+        self._credentials = credentials
+        self._channel_credentials: grpc.ChannelCredentials | None = None
+        """The credentials the current channel was made with."""
+        self._channel = self._new_channel()
         self._stub = worker_pb2_grpc.DuplexWorkerStub(self._channel)
         self.description: worker_pb2.WorkerDescription | None = None
         self._healthy = False
@@ -110,6 +120,24 @@ class WorkerLink:
     @property
     def healthy(self) -> bool:
         return self._healthy
+
+    def _new_channel(self) -> grpc.aio.Channel:
+        options = channel_options(self._backoff_max_s)
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(self.address, options=options)
+        self._channel_credentials = self._credentials.current()
+        return grpc.aio.secure_channel(self.address, self._channel_credentials, options=options)
+
+    async def _renew_channel(self) -> None:
+        """Before a reconnect: a new channel when the TLS files changed since this one was made
+        (a channel keeps the credentials it was made with, and reconnects with them)."""
+        if self._credentials is None or self._credentials.current() is self._channel_credentials:
+            return
+        old = self._channel
+        self._channel = self._new_channel()
+        self._stub = worker_pb2_grpc.DuplexWorkerStub(self._channel)
+        log.info("worker %s: TLS credentials changed: reconnecting with the new ones", self.address)
+        await old.close()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"worker-link-{self.address}")
@@ -164,6 +192,7 @@ class WorkerLink:
         while not self._stopping:
             opened = self.generation
             try:
+                await self._renew_channel()
                 desc = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0)
                 check_worker(self._plugin, desc)
                 self.description = desc

@@ -161,3 +161,17 @@ def test_plaintext_is_for_loopback_unless_insecure() -> None:
 def test_a_client_certificate_needs_its_key() -> None:
     with pytest.raises(BadRequestError):
         ClientTLS(ca=Path("ca.crt"), cert=Path("c.crt"))
+
+
+def test_a_missing_file_is_a_configuration_error_not_a_crash(tmp_path: Path) -> None:
+    with pytest.raises(BadRequestError) as err:
+        ChannelCredentials(ClientTLS(ca=tmp_path / "nowhere.crt"))
+    assert err.value.code == "invalid_config" and "nowhere.crt" in err.value.message
+
+
+def test_the_session_cli_refuses_unreadable_worker_tls_files_in_one_line(tmp_path: Path, capsys) -> None:
+    from session_service.cli import main
+
+    code = main(["--workers", "127.0.0.1:1", "--worker-tls-ca", str(tmp_path / "nowhere.crt")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "nowhere.crt" in err

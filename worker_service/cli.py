@@ -9,10 +9,12 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from duplex.errors import DuplexError
 from duplex.serving import split_host_port
-from worker_service.config import WorkerConfig
+from duplex.tls import ServerTLS
+from worker_service.config import DEFAULT_MAX_CLOSED_SESSIONS, DEFAULT_TOMBSTONE_TTL_S, WorkerConfig
 from worker_service.models import MODELS
 from worker_service.server import WorkerServer
 
@@ -38,6 +40,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
     p.add_argument("--log-level", default="INFO")
+    trust = p.add_argument_group(
+        "trust",
+        "mutual TLS: callers (session replicas) present a certificate of the client CA, and the "
+        "worker authorizes every session by its identity. Without TLS the worker serves only on "
+        "a loopback address unless --insecure is given.",
+    )
+    trust.add_argument("--tls-cert", type=Path, default=None, metavar="PATH", help="server certificate (PEM)")
+    trust.add_argument("--tls-key", type=Path, default=None, metavar="PATH", help="its private key (PEM)")
+    trust.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="CA whose client certificates are required (mutual TLS)",
+    )
+    trust.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve without client authentication on a non-loopback address (anyone who reaches "
+        "the port can drive and take sessions)",
+    )
+    trust.add_argument(
+        "--takeover-identities",
+        default=None,
+        metavar="ID[,ID...]",
+        help="certificate identities allowed to take sessions over (default: any the client CA signed)",
+    )
+    trust.add_argument(
+        "--tombstone-ttl-s",
+        type=float,
+        default=DEFAULT_TOMBSTONE_TTL_S,
+        help="how long a session closed for good stays refused (default: 24 h, the resume token lifetime)",
+    )
+    trust.add_argument(
+        "--max-closed-sessions",
+        type=int,
+        default=DEFAULT_MAX_CLOSED_SESSIONS,
+        help="most closed-session tombstones kept (the oldest are forgotten first)",
+    )
     parrot = p.add_argument_group("parrot model")
     parrot.add_argument("--silence-ms", type=float, default=None)
     parrot.add_argument("--pitch-semitones", type=float, default=None)
@@ -49,6 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--emit-every", type=int, default=None)
     synth.add_argument("--reply-frames", type=int, default=None)
     return p
+
+
+def _tls_from_args(args: argparse.Namespace) -> ServerTLS | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_cert is None:
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    return ServerTLS(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+
+
+def _identities(value: str | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    ids = frozenset(i.strip() for i in value.split(",") if i.strip())
+    if not ids:
+        raise ValueError("--takeover-identities needs at least one identity")
+    return ids
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -84,6 +144,11 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         orphan_grace_s=args.orphan_grace_s,
         torch_threads=args.torch_threads,
         model_options=options,
+        tls=_tls_from_args(args),
+        insecure=args.insecure,
+        takeover_identities=_identities(args.takeover_identities),
+        tombstone_ttl_s=args.tombstone_ttl_s,
+        max_closed_sessions=args.max_closed_sessions,
     )
     # Without --worker-id the config's own default (a fresh random id) stands.
     return dataclasses.replace(config, worker_id=args.worker_id) if args.worker_id else config

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 
 from duplex.tls import ServerTLS
 
+#: How long a closed session's tombstone is kept by default: the lifetime of a resume token.
+DEFAULT_TOMBSTONE_TTL_S = 24 * 3600.0
+
+#: Most closed-session tombstones kept by default.
+DEFAULT_MAX_CLOSED_SESSIONS = 65_536
+
 
 def _worker_id() -> str:
     return "worker-" + uuid.uuid4().hex[:8]
@@ -54,6 +60,16 @@ class WorkerConfig:
     takeover_identities: frozenset[str] | None = None
     """Certificate identities allowed to take a session over from another owner (None: any
     identity the client CA signed)."""
+    tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
+    """How long a session closed for good (``Release.closed``) stays refused (``session_closed``):
+    the lifetime of a resume token."""
+    max_closed_sessions: int = DEFAULT_MAX_CLOSED_SESSIONS
+    """Most closed-session tombstones kept; beyond it the oldest is forgotten early."""
+
+    @property
+    def mutual_tls(self) -> bool:
+        """Clients must present a certificate of the client CA: fencing authorizes by its identity."""
+        return self.tls is not None and self.tls.client_ca is not None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -66,3 +82,11 @@ class WorkerConfig:
             raise ValueError("orphan_grace_s must be >= 0")
         if self.max_output_steps < 1:
             raise ValueError("max_output_steps must be >= 1")
+        if not self.tombstone_ttl_s > 0:
+            raise ValueError("tombstone_ttl_s must be > 0")
+        if self.max_closed_sessions < 1:
+            raise ValueError("max_closed_sessions must be >= 1")
+        if self.takeover_identities is not None and not self.mutual_tls:
+            raise ValueError(
+                "takeover identities need mutual TLS (a client CA): without it callers have none"
+            )

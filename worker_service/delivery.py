@@ -87,6 +87,10 @@ class OutputHub:
         OWNER_STREAMS.set(len(self._channels))
         return channel
 
+    def owners(self) -> list[str]:
+        """The owners with an open Run stream."""
+        return list(self._channels)
+
     def has(self, owner: str) -> bool:
         """Whether ``owner`` has an open Run stream."""
         return owner in self._channels
@@ -108,7 +112,7 @@ class OutputHub:
             if channel is None:
                 continue  # the owner has no stream now; its sessions' output has nowhere to go
             if not channel.push(item):
-                logger.warning("owner %s fell %d steps behind: ending its stream", owner, self._maxsize)
+                logger.warning("owner %r fell %d steps behind: ending its stream", owner, self._maxsize)
                 OWNER_CUTOFFS.inc()
                 channel.close(CapacityError(WorkerErrorCode.CAPACITY, "the owner's output queue is full"))
                 self.discard(channel)

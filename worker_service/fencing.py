@@ -3,18 +3,31 @@
 It runs on the asyncio side only (Attach and Run commands are handled there), so it needs no
 lock; the engine thread learns about epoch changes through ordered engine commands. Every
 rejection raises ``FencedError``/``NotFoundError`` with the protocol's code and is counted here.
+
+With mutual TLS the fence is an authorization decision (``authorize=True``): an owner is the key
+``IDENTITY/owner`` the servicer builds from the caller's certificate, and a session changes owner
+only by an explicit takeover from an identity allowed to take over, never by a higher epoch.
+Without it (plaintext on loopback, local development) a higher epoch moves a session, as it
+always did. Either way a session closed for good stays refused for a while (its tombstone).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from duplex.errors import CapacityError, ErrorCode, FencedError, NotFoundError, WorkerErrorCode
-from worker_service.metrics import FENCED
+from worker_service.config import DEFAULT_MAX_CLOSED_SESSIONS, DEFAULT_TOMBSTONE_TTL_S
+from worker_service.metrics import FENCED, TOMBSTONES_EVICTED
 
 #: Released sessions whose fence (epoch, owner) is remembered so a stale owner stays fenced.
 MAX_TOMBSTONES = 65_536
+
+#: The longest id (session id, owner, request id) the worker accepts: every id it keeps is
+#: bounded, so a caller cannot grow the worker's tables with huge ones.
+MAX_ID_LENGTH = 128
 
 
 @dataclass(slots=True)
@@ -38,18 +51,47 @@ class Admission:
 class FenceTable:
     """Highest accepted epoch and owner per session (see docs/worker-protocol.md, Identity and fencing)."""
 
-    def __init__(self, max_sessions: int = 0) -> None:
+    def __init__(
+        self,
+        max_sessions: int = 0,
+        *,
+        authorize: bool = False,
+        tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S,
+        max_closed: int = DEFAULT_MAX_CLOSED_SESSIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``authorize``: owners are certificate-scoped keys; only a takeover changes one.
+        ``tombstone_ttl_s`` / ``max_closed``: how long / how many closed sessions stay refused."""
         self._sessions: dict[str, SessionFence] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._closed: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        """Session id -> (final epoch, when its tombstone expires), oldest first."""
         self._max_sessions = max_sessions
+        self._authorize = authorize
+        self._ttl = tombstone_ttl_s
+        self._max_closed = max_closed
+        self._clock = clock
         self._live = 0
 
     @property
     def live_sessions(self) -> int:
         return self._live
 
-    def attach(self, session_id: str, epoch: int, owner: str, takeover: bool) -> tuple[Admission, bool]:
-        """Bind ``session_id`` to ``owner``; returns the admission and whether it was already live."""
+    @property
+    def authorizes(self) -> bool:
+        """Whether owners are certificate identities (an owner change needs an allowed takeover)."""
+        return self._authorize
+
+    def attach(
+        self, session_id: str, epoch: int, owner: str, takeover: bool, *, may_take_over: bool = True
+    ) -> tuple[Admission, bool]:
+        """Bind ``session_id`` to ``owner``; returns the admission and whether it was already live.
+
+        ``may_take_over``: whether the caller's identity may take a session from another owner
+        (consulted only when the table authorizes)."""
+        if self.is_closed(session_id):
+            FENCED.labels(reason="session_closed").inc()
+            raise NotFoundError(ErrorCode.SESSION_CLOSED, "the session was closed")
         cur = self._sessions.get(session_id)
         if cur is None or not cur.live:
             self._check_capacity()
@@ -57,6 +99,15 @@ class FenceTable:
             self._sessions[session_id] = SessionFence(epoch, owner)
             self._live += 1
             return Admission(epoch, bumped=False), False
+        if self._authorize and owner != cur.owner:
+            # An authorization decision: a higher epoch alone never moves a session.
+            if not takeover:
+                raise _fenced(WorkerErrorCode.NOT_OWNER, "the session is attached to another owner")
+            if not may_take_over:
+                FENCED.labels(reason="takeover_denied").inc()
+                raise FencedError(
+                    WorkerErrorCode.NOT_OWNER, "this identity may not take sessions over from another owner"
+                )
         if takeover:
             granted = max(epoch, cur.epoch + 1)
         elif epoch < cur.epoch:
@@ -109,6 +160,50 @@ class FenceTable:
         while len(self._tombstones) > MAX_TOMBSTONES:
             old, _ = self._tombstones.popitem(last=False)
             self._sessions.pop(old, None)
+
+    def close(self, session_id: str, epoch: int, owner: str) -> bool:
+        """The session ended for good: forget its fence and keep a tombstone (its final epoch)
+        that refuses any later Attach for ``tombstone_ttl_s``. Only its owner, at an epoch not
+        below the session's, may close it (raises otherwise, counted, like ``check``); a
+        released session is closed too. Returns whether the session was live (its model state
+        must be freed)."""
+        cur = self._sessions.get(session_id)
+        if cur is None:
+            FENCED.labels(reason="unknown_session").inc()
+            raise NotFoundError(WorkerErrorCode.UNKNOWN_SESSION, "session is not attached (Attach first)")
+        if epoch < cur.epoch:
+            raise _fenced(
+                WorkerErrorCode.STALE_EPOCH, f"epoch {epoch} is below the session's epoch {cur.epoch}"
+            )
+        if owner != cur.owner:
+            raise _fenced(WorkerErrorCode.NOT_OWNER, "the session is attached to another owner")
+        was_live = cur.live
+        if was_live:
+            self._live -= 1
+        del self._sessions[session_id]
+        self._tombstones.pop(session_id, None)
+        now = self._clock()
+        self._expire(now)
+        self._closed[session_id] = (max(epoch, cur.epoch), now + self._ttl)
+        while len(self._closed) > self._max_closed:
+            self._closed.popitem(last=False)
+            TOMBSTONES_EVICTED.inc()
+        return was_live
+
+    def is_closed(self, session_id: str) -> bool:
+        """Whether the session was closed for good (and its tombstone has not expired)."""
+        if session_id not in self._closed:
+            return False
+        self._expire(self._clock())
+        return session_id in self._closed
+
+    def _expire(self, now: float) -> None:
+        # Tombstones are kept in closing order with one lifetime: the expired ones are a prefix.
+        while self._closed:
+            sid, (_, expires) = next(iter(self._closed.items()))
+            if expires > now:
+                return
+            del self._closed[sid]
 
     def owner_of(self, session_id: str) -> str | None:
         """The owner a live session is attached to."""

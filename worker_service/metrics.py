@@ -35,7 +35,8 @@ FENCED: Final = Counter(
     "duplex_worker_fenced",
     "Work refused or dropped by fencing, by reason (stale_epoch, not_owner, unknown_session, "
     "aborted: queued/running work dropped by a newer epoch, stale_output: stepped output stripped "
-    "at delivery).",
+    "at delivery, takeover_denied: a takeover from an identity not allowed to take over, "
+    "session_closed: an Attach of a session closed for good).",
     ["reason"],
 )
 SUBMISSIONS: Final = Counter("duplex_worker_submissions", "Submissions received, by kind.", ["kind"])
@@ -53,11 +54,24 @@ ORPHANS_RELEASED: Final = Counter(
     "duplex_worker_orphaned_sessions_released",
     "Sessions released because their owner did not reconnect within the orphan grace.",
 )
+TOMBSTONES_EVICTED: Final = Counter(
+    "duplex_worker_closed_tombstones_evicted",
+    "Closed-session tombstones forgotten before their time because there were too many "
+    "(--max-closed-sessions): such a session could be attached again.",
+)
 ENGINE_FAILURES: Final = Counter(
     "duplex_worker_engine_failures", "Fatal engine errors (the worker stops serving)."
 )
 
-FENCE_REASONS: Final = ("stale_epoch", "not_owner", "unknown_session", "aborted", "stale_output")
+FENCE_REASONS: Final = (
+    "stale_epoch",
+    "not_owner",
+    "unknown_session",
+    "aborted",
+    "stale_output",
+    "takeover_denied",
+    "session_closed",
+)
 SUBMISSION_KINDS: Final = ("append", "commit", "respond", "clear", "unknown")
 
 # Pre-create the bounded label values so dashboards and alerts see zero series from the start.

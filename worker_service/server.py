@@ -11,7 +11,16 @@ import grpc
 import torch
 
 from duplex.errors import BadRequestError, ErrorCode, InternalError
-from duplex.serving import SERVER_OPTIONS, Health, MetricsServer, add_reflection, bind, serve_metrics
+from duplex.serving import (
+    SERVER_OPTIONS,
+    Health,
+    MetricsServer,
+    add_reflection,
+    bind,
+    serve_metrics,
+    split_host_port,
+)
+from duplex.tls import check_plaintext_listen, server_credentials
 from duplex.v1 import worker_pb2_grpc
 from worker_service.config import WorkerConfig
 from worker_service.delivery import OutputHub
@@ -49,12 +58,33 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def listen_credentials(config: WorkerConfig) -> grpc.ServerCredentials | None:
+    """The worker API's server credentials (None: plaintext).
+
+    Whoever reaches the port can drive sessions unless callers are authenticated, so a worker
+    without mutual TLS (plaintext, or TLS without a client CA) serves only on loopback unless
+    ``insecure`` says otherwise."""
+    host = split_host_port(config.listen)[0]
+    if not config.mutual_tls:
+        what = "the worker API" + (" without client certificates (--tls-client-ca)" if config.tls else "")
+        check_plaintext_listen(host, insecure=config.insecure, what=what)
+    if config.tls is None:
+        return None
+    try:
+        return server_credentials(config.tls)
+    except OSError as exc:  # a missing file (its contents are checked by duplex.tls)
+        raise BadRequestError(
+            ErrorCode.INVALID_CONFIG, f"cannot read {exc.filename}: {exc.strerror}"
+        ) from exc
+
+
 class WorkerServer:
     """One worker: gRPC server, health, reflection, /metrics, engine thread."""
 
     def __init__(self, config: WorkerConfig, model_factory: ModelFactory | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        self._credentials = listen_credentials(config)
         self._model_factory = model_factory or (
             lambda device: create_model(config.model, device, config.model_options)
         )
@@ -80,6 +110,17 @@ class WorkerServer:
         assert self._engine is not None
         return self._engine
 
+    @property
+    def fences(self) -> FenceTable:
+        """The fencing authority's table (per session: highest epoch, owner; closed sessions)."""
+        assert self._servicer is not None
+        return self._servicer.fences
+
+    def owners(self) -> list[str]:
+        """The owner keys that have a Run stream open now."""
+        assert self._hub is not None
+        return self._hub.owners()
+
     async def start(self, *, wait_ready: bool = True) -> None:
         """Bind and serve (health NOT_SERVING), load the model, then report SERVING."""
         loop = asyncio.get_running_loop()
@@ -96,11 +137,17 @@ class WorkerServer:
             on_fatal=lambda exc: loop.call_soon_threadsafe(self._engine_failed, exc),
             torch_threads=self.config.torch_threads,
         )
+        fences = FenceTable(
+            self.config.max_sessions,
+            authorize=self.config.mutual_tls,
+            tombstone_ttl_s=self.config.tombstone_ttl_s,
+            max_closed=self.config.max_closed_sessions,
+        )
         servicer = self._servicer = DuplexWorkerServicer(
-            self.config, self.state, self._engine, self._hub, FenceTable(self.config.max_sessions)
+            self.config, self.state, self._engine, self._hub, fences
         )
         worker_pb2_grpc.add_DuplexWorkerServicer_to_server(servicer, server)
-        self.port = bind(server, self.config.listen)
+        self.port = bind(server, self.config.listen, self._credentials)
         await server.start()
         await self._health.set(False)
         if self.config.metrics_port >= 0:

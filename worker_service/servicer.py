@@ -5,6 +5,11 @@ engine results are converted to ``StepOutput`` in each owner's stream writer, wh
 anything stepped under a fence the session has since moved past (so once an abort is processed,
 no older output reaches the owner, even if the engine stepped it a moment before).
 Errors are typed ``DuplexError``s; ``duplex.errors.abort`` is the one place they become statuses.
+
+Who is calling: with mutual TLS an owner is ``IDENTITY/owner``, the verified certificate's
+identity with the caller's own owner id scoped under it (``owner_key``), for Attach, Run and every
+command, so no identity can hold, replace or fence another's owner. Every id is bounded
+(``MAX_ID_LENGTH``) and logged escaped (``%r``): a caller's id cannot forge a log line.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ from duplex.errors import (
     CapacityError,
     DuplexError,
     ErrorCode,
+    UnauthenticatedError,
     UnavailableError,
     WorkerErrorCode,
     abort,
 )
 from duplex.fence import Fence
-from duplex.v1 import worker_pb2, worker_pb2_grpc
+from duplex.tls import peer_identity
+from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_service.config import WorkerConfig
 from worker_service.delivery import OutputHub, OwnerChannel
 from worker_service.engine import (
@@ -47,7 +54,7 @@ from worker_service.engine import (
     Update,
     Work,
 )
-from worker_service.fencing import FenceTable
+from worker_service.fencing import MAX_ID_LENGTH, FenceTable
 from worker_service.metrics import FENCED, ORPHANS_RELEASED, REQUEST_ERRORS, SUBMISSIONS
 from worker_service.model import StepModel, bad_submission
 
@@ -55,6 +62,37 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME: str = worker_pb2.DESCRIPTOR.services_by_name["DuplexWorker"].full_name
 _KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "clear"}
+
+#: Separates a certificate identity from the owner id scoped under it (``IDENTITY/owner``).
+OWNER_SEPARATOR = "/"
+
+_Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def owner_key(identity: str | None, owner: str) -> str:
+    """The key an owner is known by: ``IDENTITY/owner`` with a certificate identity, else the
+    owner id itself (plaintext). The owner id may not contain the separator, so a key names
+    exactly one (identity, owner) pair even when identities contain it (URIs)."""
+    if identity is None:
+        return owner
+    if OWNER_SEPARATOR in owner:
+        raise BadRequestError(ErrorCode.INVALID_EVENT, f"an owner id may not contain {OWNER_SEPARATOR!r}")
+    return f"{identity}{OWNER_SEPARATOR}{owner}"
+
+
+def _check_id_length(*ids: str) -> None:
+    if any(len(i) > MAX_ID_LENGTH for i in ids):
+        raise BadRequestError(ErrorCode.INVALID_EVENT, f"ids are at most {MAX_ID_LENGTH} characters")
+
+
+def _clip(value: str) -> str:
+    """An id echoed in a rejection, at most ``MAX_ID_LENGTH`` long (a refused over-long id is
+    not sent back whole)."""
+    return value[:MAX_ID_LENGTH]
+
+
+def _clip_fence(msg: common_pb2.Fence) -> Fence:
+    return Fence(_clip(msg.session_id), msg.epoch, msg.turn_id)
 
 
 @dataclass
@@ -80,6 +118,23 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         # The request id each session's owner uses (to tell a displaced owner about a takeover).
         self._request_ids: dict[str, str] = {}
         self._reapers: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def fences(self) -> FenceTable:
+        return self._fences
+
+    def _owner(self, context: _Context, owner: str) -> tuple[str, str | None]:
+        """The caller's owner key and certificate identity (None without mutual TLS)."""
+        if not self._fences.authorizes:
+            return owner, None
+        identity = peer_identity(context)
+        if identity is None:  # mutual TLS verified a certificate that names nobody
+            raise UnauthenticatedError(ErrorCode.UNAUTHENTICATED, "the client certificate names no identity")
+        return owner_key(identity, owner), identity
+
+    def _may_take_over(self, identity: str | None) -> bool:
+        allowed = self._config.takeover_identities
+        return identity is None or allowed is None or identity in allowed
 
     def _serving_model(self) -> StepModel[Any]:
         if self._state.failed:
@@ -115,19 +170,36 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         request: worker_pb2.AttachRequest,
         context: grpc.aio.ServicerContext[worker_pb2.AttachRequest, worker_pb2.AttachResponse],
     ) -> worker_pb2.AttachResponse:
+        sid = request.session_id
+        owner = request.owner
         try:
             self._serving_model()
-            if not request.session_id or not request.owner:
+            if not sid or not request.owner:
                 raise BadRequestError(ErrorCode.INVALID_EVENT, "Attach needs session_id and owner")
-            previous = self._fences.owner_of(request.session_id)
+            _check_id_length(sid, request.owner)
+            owner, identity = self._owner(context, request.owner)
+            previous = self._fences.owner_of(sid)
             admission, was_live = self._fences.attach(
-                request.session_id, request.epoch, request.owner, request.takeover
+                sid,
+                request.epoch,
+                owner,
+                request.takeover,
+                may_take_over=self._may_take_over(identity),
             )
             if admission.bumped:
-                self._engine.submit([AbortOlder(request.session_id, admission.epoch)])
-            if previous is not None and previous != request.owner:
-                self._tell_displaced(previous, request.session_id, admission.epoch)
+                self._engine.submit([AbortOlder(sid, admission.epoch)])
+            if previous is not None and previous != owner:
+                logger.info(
+                    "session %r taken over by owner %r from owner %r at epoch %d",
+                    sid,
+                    owner,
+                    previous,
+                    admission.epoch,
+                )
+                self._tell_displaced(previous, sid, admission.epoch)
         except DuplexError as err:
+            if request.takeover and err.code == WorkerErrorCode.NOT_OWNER:
+                logger.warning("takeover of session %r by owner %r refused: %s", sid, owner, err.message)
             await abort(context, err)
         return worker_pb2.AttachResponse(epoch=admission.epoch, resumed=was_live)
 
@@ -156,9 +228,11 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                 return
             if not first.owner:
                 raise BadRequestError(ErrorCode.INVALID_EVENT, "the first WorkerCommand must set owner")
+            _check_id_length(first.owner)
+            owner, _ = self._owner(context, first.owner)
         except DuplexError as err:
             await abort(context, err)
-        owner = first.owner
+        logger.info("owner %r opened a Run stream", owner)
         reaper = self._reapers.pop(owner, None)
         if reaper is not None:
             reaper.cancel()  # the owner is back within its grace: its sessions live on
@@ -177,6 +251,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         finally:
             reader.cancel()
             self._hub.discard(channel)
+            logger.info("owner %r: Run stream ended", owner)
             if not self._hub.has(owner) and owner not in self._reapers:
                 self._reapers[owner] = asyncio.create_task(self._reap_orphans(owner))
 
@@ -194,7 +269,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         if not orphans:
             return
         logger.warning(
-            "owner %s gone for %.0f s: releasing its %d sessions",
+            "owner %r gone for %.1f s: releasing its %d sessions",
             owner,
             self._config.orphan_grace_s,
             len(orphans),
@@ -224,7 +299,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             async for cmd in commands:
                 if channel.closed:
                     return
-                if cmd.owner and cmd.owner != owner:
+                if cmd.owner and cmd.owner != first.owner:
                     raise BadRequestError(ErrorCode.INVALID_EVENT, "owner changed within a Run stream")
                 self.handle_command(owner, cmd)
             channel.close()  # half-close: the stream ends once what is queued is sent
@@ -243,10 +318,12 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         rejected: list[Update] = []
         for ab in cmd.abort:
             try:
+                if len(ab.request_id) > MAX_ID_LENGTH or len(ab.fence.session_id) > MAX_ID_LENGTH:
+                    raise bad_submission(f"ids are at most {MAX_ID_LENGTH} characters")
                 admission = self._fences.check(ab.fence.session_id, ab.fence.epoch, owner)
             except DuplexError as err:
                 rejected.append(
-                    Update(ab.request_id, Fence.from_proto(ab.fence), error=(err.code, err.message))
+                    Update(_clip(ab.request_id), _clip_fence(ab.fence), error=(err.code, err.message))
                 )
                 continue
             if admission.bumped:
@@ -266,7 +343,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                     )
             except DuplexError as err:
                 rejected.append(
-                    Update(sub.request_id, Fence.from_proto(sub.fence), error=(err.code, err.message))
+                    Update(_clip(sub.request_id), _clip_fence(sub.fence), error=(err.code, err.message))
                 )
                 continue
             if admission.bumped:
@@ -276,12 +353,19 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             engine_cmds.append(Enqueue(work, counter))
         for rel in cmd.release:
             sid = rel.fence.session_id
+            if len(sid) > MAX_ID_LENGTH:
+                continue  # no such session
             try:
-                self._fences.check(sid, rel.fence.epoch, owner)
+                if rel.closed:  # ended for good: tombstoned, later Attaches get session_closed
+                    live = self._fences.close(sid, rel.fence.epoch, owner)
+                else:  # moved or dropped: it may come back
+                    self._fences.check(sid, rel.fence.epoch, owner)
+                    self._fences.release(sid)
+                    live = True
             except DuplexError:
                 continue  # a release that is not the session's current owner's is ignored (counted)
-            engine_cmds.append(ReleaseSession(sid))
-            self._fences.release(sid)
+            if live:
+                engine_cmds.append(ReleaseSession(sid))
             self._counters.pop(sid, None)
             self._request_ids.pop(sid, None)
         self._engine.submit(engine_cmds)
@@ -291,6 +375,8 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
     def _to_work(self, model: StepModel[Any], owner: str, sub: worker_pb2.Submission) -> Work:
         if not sub.request_id or not sub.fence.session_id:
             raise bad_submission("a submission needs request_id and fence.session_id")
+        if len(sub.request_id) > MAX_ID_LENGTH or len(sub.fence.session_id) > MAX_ID_LENGTH:
+            raise bad_submission(f"ids are at most {MAX_ID_LENGTH} characters")
         if sub.kind not in _KIND_LABELS:
             raise bad_submission(f"unknown submission kind {int(sub.kind)}")
         options = None
