@@ -142,6 +142,8 @@ class SessionRunner:
             runtime_config=runtime_config, defaults=plugin.sampling_defaults
         )
         self.status = SessionStatus.OPEN
+        self.close_reason = ""
+        """Why the session closed ("" while open)."""
         self.input_status = InputStatus.OPEN
         self.turn_status = TurnStatus.LISTENING
         self.seq_status = SeqStatus.IN_EPOCH
@@ -747,7 +749,10 @@ class SessionRunner:
         if link is not None and link.healthy:
             return link
         try:
-            link, granted = await self._placer(self.session_id, self.epoch, False)
+            # With takeover: this runner holds the session, so whoever still holds it on the new
+            # worker (an owner that lost it, a hung replica) is fenced out rather than refusing
+            # us; under mutual TLS a higher epoch alone would not move it.
+            link, granted = await self._placer(self.session_id, self.epoch, True)
         except DuplexError as err:
             raise UnavailableError(
                 ErrorCode.WORKER_UNAVAILABLE, f"no worker for the session: {err.message}"
@@ -797,6 +802,7 @@ class SessionRunner:
         except OutboundOverflow:
             pass
         self.status = SessionStatus.CLOSED
+        self.close_reason = reason
         if self.link is not None:
             self.link.release(
                 worker_pb2.Release(

@@ -16,7 +16,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -47,13 +47,16 @@ from session_service.resume import (
     issue,
 )
 from session_service.routing import SessionRegistry
-from session_service.runner import Placer, RunnerDeps, SessionRunner, WorkerHandle
+from session_service.runner import ENDED_FOR_GOOD, Placer, RunnerDeps, SessionRunner, WorkerHandle
 from session_service.settings import settings_from_proto, struct_to_dict
 
 log = logging.getLogger(__name__)
 
 #: The epoch a brand-new session starts in (0 is proto3's "unset").
 FIRST_EPOCH = 1
+
+#: Sessions that ended here remembered at most (the oldest are forgotten first).
+MAX_ENDED_SESSIONS = 65_536
 
 
 @dataclass(slots=True)
@@ -94,6 +97,9 @@ class SessionManager:
         # Sessions held and being opened, by principal (``max_sessions_per_principal``).
         self._held: Counter[str] = Counter()
         self._opening_by: Counter[str] = Counter()
+        # Sessions that ended for good here, until their tokens expire (the worker keeps its own
+        # tombstone too; this one holds when the resume would be placed on another worker).
+        self._ended: OrderedDict[str, float] = OrderedDict()
         self._locks: dict[str, _SessionLock] = {}
         # The client's validated open extra_body per live session (the base of its tokens).
         self._client_extra: dict[str, dict[str, object]] = {}
@@ -117,6 +123,11 @@ class SessionManager:
         )
 
     def _on_closed(self, runner: SessionRunner) -> None:
+        if runner.close_reason in ENDED_FOR_GOOD:
+            self._ended[runner.session_id] = self._wall_clock() + self._max_age_s
+            self._ended.move_to_end(runner.session_id)
+            while len(self._ended) > MAX_ENDED_SESSIONS:
+                self._ended.popitem(last=False)
         self._held[runner.principal] -= 1
         if self._held[runner.principal] <= 0:
             del self._held[runner.principal]
@@ -135,6 +146,15 @@ class SessionManager:
             raise CapacityError(
                 ErrorCode.CAPACITY_EXHAUSTED, f"at most {limit} sessions per caller on this replica"
             )
+
+    def _check_not_ended(self, session_id: str) -> None:
+        expiry = self._ended.get(session_id)
+        if expiry is None:
+            return
+        if expiry < self._wall_clock():
+            del self._ended[session_id]  # its tokens have expired anyway
+            return
+        raise NotFoundError(ErrorCode.SESSION_CLOSED, "the session was closed")
 
     @contextlib.contextmanager
     def _opening_for(self, principal: str) -> Iterator[None]:
@@ -269,6 +289,7 @@ class SessionManager:
             now=self._wall_clock(),
         )
         _check_owner(claims.principal, principal)
+        self._check_not_ended(msg.session_id)
         async with self._session_lock(msg.session_id):
             runner = self.registry.get(msg.session_id)
             if runner is not None and not runner.closed:

@@ -587,3 +587,22 @@ async def test_a_resumed_stream_tells_the_one_it_displaces() -> None:
     assert await r.outbound.get(first) is None  # and then that stream ends
     assert (await r.outbound.get(second)).WhichOneof("event") == "opened"  # type: ignore[union-attr]
     await close_all(a)
+
+
+async def test_a_closed_session_stays_closed_on_the_replica_that_closed_it() -> None:
+    clock = Clock()
+    a, placer = replica(clock=clock)
+    r = await a.open(open_msg())
+    token = r.resume_token
+    await r.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+    await r.wait_closed()
+    with pytest.raises(DuplexError) as err:
+        await a.resume(resume_msg(r.session_id, token))
+    assert err.value.code == ErrorCode.SESSION_CLOSED and err.value.status == grpc.StatusCode.NOT_FOUND
+    assert [c for c in placer.calls if c[2]] == []  # refused before any worker was asked
+    # A drained session is not closed: it resumes.
+    d = await a.open(open_msg())
+    await a.drain(0)
+    a.draining = False
+    assert (await a.resume(resume_msg(d))).session_id == d.session_id
+    await close_all(a)
