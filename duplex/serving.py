@@ -66,6 +66,18 @@ class Health:
         self.serving = False
         await self._servicer.enter_graceful_shutdown()
 
+    async def serve_plaintext(self, listen: str) -> tuple[grpc.aio.Server, int]:
+        """A second, plaintext listener that serves this health service and nothing else.
+
+        For Kubernetes gRPC probes, which cannot speak TLS: when the API port requires (mutual)
+        TLS, the probes point here. It answers SERVING / NOT_SERVING and exposes nothing else.
+        Returns the server (stop it with the main one) and its port."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        port = bind(server, listen)
+        await server.start()
+        return server, port
+
 
 #: The standard health check's method path (what a generated ``HealthStub.Check`` calls).
 HEALTH_CHECK_METHOD: Final = "/grpc.health.v1.Health/Check"

@@ -27,6 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plugin", default="session_service.plugins.parrot:ParrotPlugin", help="module:Class")
     p.add_argument("--workers", required=True, help="worker addresses HOST:PORT[,HOST:PORT...]")
     p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC HOST:PORT (port 0 = any)")
+    p.add_argument(
+        "--health-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="also serve grpc.health.v1 (and nothing else) in plaintext here, for probes that cannot "
+        "speak TLS (default: none)",
+    )
     p.add_argument("--metrics-port", type=int, default=9464, help="/metrics port (0 = any)")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--max-sessions", type=int, default=256)
@@ -192,6 +199,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         auth_jwks=args.auth_jwks,
         auth_audience=args.auth_audience,
         insecure=args.insecure,
+        health_listen=args.health_listen,
         reflection=not args.no_reflection,
         worker_tls=worker_tls,
         runner=RunnerConfig(

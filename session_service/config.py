@@ -95,5 +95,8 @@ class ServiceConfig:
     max_sessions_per_principal: int = 0
     """Most sessions one principal holds on this replica (RESOURCE_EXHAUSTED beyond; 0 = only
     ``max_sessions``)."""
+    health_listen: str = ""
+    """``HOST:PORT`` of a plaintext listener serving only ``grpc.health.v1`` (for probes that
+    cannot speak TLS); "" = none."""
     worker_tls: ClientTLS | None = None
     """Mutual TLS towards the workers (the CA that signed them, this replica's certificate)."""

@@ -72,6 +72,9 @@ class SessionServer:
         self.metrics: MetricsServer | None = None
         self.draining = False
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port = 0
+        """The plaintext health-only listener's port (``health_listen``; 0 without one)."""
         self._health: Health | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -120,6 +123,8 @@ class SessionServer:
             self.metrics = serve_metrics(self.config.metrics_host, self.config.metrics_port)
         await server.start()
         await health.set(False)
+        if self.config.health_listen:
+            self._health_server, self.health_port = await health.serve_plaintext(self.config.health_listen)
         self.pool.health_listeners.append(self._workers_changed)
         self.pool.start()
         log.info(
@@ -164,6 +169,8 @@ class SessionServer:
         await self.drain()
         if self._server is not None:
             await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         await self.pool.close()
         for task in list(self._tasks):
             task.cancel()
@@ -176,16 +183,14 @@ async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
     server = SessionServer(cfg, plugin)
     await server.start()
     metrics_port = server.metrics.port if server.metrics is not None else 0
-    print(
-        json.dumps(
-            {
-                "event": "listening",
-                "grpc": server.address,
-                "metrics": f"{_announce_host(cfg.metrics_host)}:{metrics_port}",
-            }
-        ),
-        flush=True,
-    )
+    announce = {
+        "event": "listening",
+        "grpc": server.address,
+        "metrics": f"{_announce_host(cfg.metrics_host)}:{metrics_port}",
+    }
+    if server.health_port:
+        announce["health"] = f"{_announce_host(split_host_port(cfg.health_listen)[0])}:{server.health_port}"
+    print(json.dumps(announce), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -25,6 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="duplex worker", description="Run a batched model worker (gRPC).")
     p.add_argument("--model", choices=sorted(MODELS), default="parrot")
     p.add_argument("--listen", default="127.0.0.1:0", help="gRPC HOST:PORT (port 0 = any free port)")
+    p.add_argument(
+        "--health-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="also serve grpc.health.v1 (and nothing else) in plaintext here, for probes that cannot "
+        "speak TLS (default: none)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = any free port)")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda[:i]")
     p.add_argument("--max-batch", type=int, default=256)
@@ -146,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model_options=options,
         tls=_tls_from_args(args),
         insecure=args.insecure,
+        health_listen=args.health_listen,
         takeover_identities=_identities(args.takeover_identities),
         tombstone_ttl_s=args.tombstone_ttl_s,
         max_closed_sessions=args.max_closed_sessions,
@@ -162,7 +170,10 @@ async def serve(config: WorkerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     metrics = f"{config.metrics_host}:{server.metrics.port}" if server.metrics else ""
-    print(json.dumps({"event": "listening", "grpc": server.address, "metrics": metrics}), flush=True)
+    announce = {"event": "listening", "grpc": server.address, "metrics": metrics}
+    if server.health_port:
+        announce["health"] = f"{split_host_port(config.health_listen)[0]}:{server.health_port}"
+    print(json.dumps(announce), flush=True)
     model = server.state.model
     assert model is not None
     logger.info(

@@ -57,6 +57,9 @@ class WorkerConfig:
     certificate's, and fencing authorizes by it."""
     insecure: bool = False
     """Serve in plaintext on a non-loopback address (otherwise refused at start)."""
+    health_listen: str = ""
+    """``HOST:PORT`` of a plaintext listener serving only ``grpc.health.v1`` (for probes that
+    cannot speak TLS); "" = none."""
     takeover_identities: frozenset[str] | None = None
     """Certificate identities allowed to take a session over from another owner (None: any
     identity the client CA signed)."""

@@ -92,6 +92,9 @@ class WorkerServer:
         self.port = 0
         self.metrics: MetricsServer | None = None
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port = 0
+        """The plaintext health-only listener's port (``health_listen``; 0 without one)."""
         self._health: Health | None = None
         self._engine: Engine | None = None
         self._hub: OutputHub | None = None
@@ -150,6 +153,10 @@ class WorkerServer:
         self.port = bind(server, self.config.listen, self._credentials)
         await server.start()
         await self._health.set(False)
+        if self.config.health_listen:
+            self._health_server, self.health_port = await self._health.serve_plaintext(
+                self.config.health_listen
+            )
         if self.config.metrics_port >= 0:
             self.metrics = serve_metrics(self.config.metrics_host, self.config.metrics_port)
         self._engine.start()
@@ -204,6 +211,8 @@ class WorkerServer:
         await self.drain()
         if self._server is not None:
             await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         if self._servicer is not None:
             self._servicer.cancel_reapers()
         if self._engine is not None:
