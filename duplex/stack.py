@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from duplex.serving import health_check
+from duplex.tls import is_loopback
 
 DEFAULT_PLUGIN = "session_service.plugins.parrot:ParrotPlugin"
 DEFAULT_SESSION_PORT = 50051
@@ -321,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="session service port, 0 = any free one (default: %(default)s)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="let the stack listen in plaintext, unauthenticated, on a --host that is not loopback "
+        "(it refuses otherwise: for a real deployment configure TLS and tokens on each service)",
+    )
     p.add_argument("--model", default="parrot", help="worker model (default: %(default)s)")
     p.add_argument("--plugin", default=DEFAULT_PLUGIN, help="session plugin (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="worker device (default: %(default)s)")
@@ -356,11 +363,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         print("duplex up: --workers must be at least 1", file=sys.stderr)
         return 2
+    if not is_loopback(args.host) and not args.insecure:
+        print(
+            f"duplex up: {args.host} is not a loopback address: the local stack is plaintext and "
+            "unauthenticated; pass --insecure to expose it anyway",
+            file=sys.stderr,
+        )
+        return 2
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     text = sys.stderr if args.json else sys.stdout
     stack = LocalStack(workers=args.workers, host=args.host, session_port=args.session_port)
+    if args.insecure:
+        stack.worker_args = [*stack.worker_args, "--insecure"]
+        stack.session_args = [*stack.session_args, "--insecure"]
     stack.model, stack.plugin, stack.device = args.model, args.plugin, args.device
     print(f"starting {args.workers} {args.model} worker(s) and a session service...", file=sys.stderr)
     try:

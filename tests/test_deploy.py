@@ -82,3 +82,35 @@ def test_alert_rules_pass_promtool_unit_tests() -> None:
     subprocess.run(
         ["promtool", "test", "rules", "alerts_test.yaml"], cwd=DEPLOY / "prometheus", check=True, timeout=60
     )
+
+
+def _args(container: dict[str, Any]) -> dict[str, str]:
+    args = container["args"]
+    return {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--") and i + 1 < len(args)}
+
+
+def test_the_tiers_use_tls_and_credentials_from_secrets_and_probe_a_health_port(
+    rendered: list[dict[str, Any]],
+) -> None:
+    worker = _kind(rendered, "StatefulSet")[0]["spec"]["template"]["spec"]
+    session = _kind(rendered, "Deployment")[0]["spec"]["template"]["spec"]
+    w, s = worker["containers"][0], session["containers"][0]
+    wa, sa = _args(w), _args(s)
+    # Mutual TLS on the worker, with the session tier as the one identity that may take over.
+    assert {"--tls-cert", "--tls-key", "--tls-client-ca", "--takeover-identities"} <= wa.keys()
+    assert {"--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key"} <= sa.keys()
+    # Callers: TLS and a token file; never --insecure.
+    assert {"--tls-cert", "--tls-key", "--auth-tokens"} <= sa.keys()
+    assert "--insecure" not in w["args"] and "--insecure" not in s["args"]
+    for pod, c, a in ((worker, w, wa), (session, s, sa)):
+        # Every file the flags name comes from a mounted Secret.
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        secrets = {v["name"] for v in pod["volumes"] if "secret" in v}
+        for flag, path in a.items():
+            if path.startswith("/etc/duplex/"):
+                volume = next(n for n, m in mounts.items() if path.startswith(m + "/"))
+                assert volume in secrets, (flag, path)
+        # Probes reach the plaintext health-only listener, not the TLS API port.
+        health = int(a["--health-listen"].rsplit(":", 1)[1])
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == health

@@ -116,3 +116,11 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert "first audio" in captured.out and str(out) in captured.out
     reply, rate = read_wav(out)
     assert rate == 16000 and len(reply) / rate > 2.0
+
+
+def test_up_refuses_a_non_loopback_host_without_insecure(capsys):
+    from duplex import stack as stack_cli
+
+    assert stack_cli.main(["--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "--insecure" in err and err.count("\n") == 1
