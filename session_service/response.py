@@ -4,7 +4,8 @@ A response exists from ``response_started`` to its ``response_done`` and nowhere
 runner holds at most one ``ActiveResponse``, and ``ActiveResponse.done`` is the one place a
 ``response_done`` is built. A lockstep model (one reply frame per input frame, e.g. parrot)
 would stall without client audio, so a response of one carries a ``SilenceFeeder`` that asks
-the runner for a silence frame at real-time deadlines while the client sends nothing.
+the runner for a silence frame at real-time deadlines while the client has fallen behind real
+time (``InputTimeline``), and never while it keeps up.
 """
 
 from __future__ import annotations
@@ -17,15 +18,51 @@ from duplex.clock import Clock
 from duplex.v1 import session_pb2
 from session_service.plugin import ResponseProjection
 
+#: The least a client may fall behind real time before silence is fed in its place.
+MIN_ALLOWANCE_S = 0.1
+
+
+class InputTimeline:
+    """How far a session's input (the client's audio and fed silence) covers wall-clock time.
+
+    A client streaming at real time moves ``covered`` by each append's duration as the appends
+    arrive, so ``now - covered`` stays within about one append. It has fallen behind when the
+    gap passes the jitter allowance: two of its appends (the last one's size), never less than
+    ``MIN_ALLOWANCE_S``. Only then is silence due; fed silence moves ``covered`` a frame at a
+    time from at most the allowance behind, so a client that was quiet for long gets real-time
+    silence from now on, not a burst that catches up.
+    """
+
+    def __init__(self, now: float) -> None:
+        self.covered = now
+        """Wall-clock time up to which input has been received (or fed)."""
+        self.allowance = MIN_ALLOWANCE_S
+        """How far behind the client may fall before silence is due."""
+
+    def client(self, seconds: float) -> None:
+        """The client appended ``seconds`` of audio."""
+        self.covered += seconds
+        self.allowance = max(MIN_ALLOWANCE_S, 2 * seconds)
+
+    def silence_due(self, now: float, frame_s: float) -> bool:
+        """Whether the input has fallen behind by the allowance. Half a frame of slack keeps a
+        feeder that ticks a little early from skipping a frame."""
+        return now - self.covered >= self.allowance - frame_s / 2
+
+    def silence(self, now: float, frame_s: float) -> None:
+        """A frame of silence was fed."""
+        self.covered = max(self.covered, now - self.allowance) + frame_s
+
 
 class SilenceFeeder:
-    """Real-time silence for a lockstep model while its response runs without client audio.
+    """Real-time silence for a lockstep model while its response runs and the client has
+    fallen behind real time.
 
     Deadline-aligned (no drift from sleep overshoot; after a stall it re-aligns instead of
-    bursting), skipped while real input flows (``last_input`` within a frame period), bounded
-    (``max_frames`` per response). It only asks (``request``: returns False when the request
-    could not be queued); the runner decides, in order with the client's events, whether the
-    frame is still wanted and calls ``fed`` once it was handed on.
+    bursting), asking only when ``due()`` (the session's ``InputTimeline`` says the client fell
+    behind), bounded (``max_frames`` per response). It only asks (``request``: returns False
+    when the request could not be queued); the runner decides, in order with the client's
+    events, whether the frame is still wanted and calls ``fed`` once it was handed on.
     """
 
     def __init__(
@@ -34,13 +71,13 @@ class SilenceFeeder:
         period_s: float,
         max_frames: int,
         clock: Clock,
-        last_input: Callable[[], float | None],
+        due: Callable[[], bool],
         request: Callable[[], bool],
     ) -> None:
         self._period = period_s
         self._max_frames = max_frames
         self._clock = clock
-        self._last_input = last_input
+        self._due = due
         self._request = request
         self.frames = 0
         """Silence frames handed on in this response."""
@@ -64,8 +101,7 @@ class SilenceFeeder:
             if self.frames >= self._max_frames:
                 return
             now = clock.now()
-            last = self._last_input()
-            if last is None or now - last >= period:
+            if self._due():
                 self._request()
             deadline += period
             if deadline < now:  # fell behind: re-align instead of bursting

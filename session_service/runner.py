@@ -42,7 +42,7 @@ from session_service.lifecycle import (
 from session_service.metrics import DROPPED, EVENTS_IN, MAILBOX_FULL, SILENCE_FRAMES, WORKER_SESSIONS
 from session_service.outbound import Outbound, OutboundOverflow
 from session_service.plugin import Capabilities, DuplexModelPlugin, FramePacketizer, SessionSettings
-from session_service.response import ActiveResponse, SilenceFeeder
+from session_service.response import ActiveResponse, InputTimeline, SilenceFeeder
 from session_service.settings import settings_from_proto, struct_to_dict
 from session_service.worker_output import DropReason, WorkerOutput
 
@@ -163,8 +163,8 @@ class SessionRunner:
         self._last_seq = 0
         self._worker_seq = 0
         self._last_client = self._commit_at = self._clock.now()
-        self._last_input_at: float | None = None
-        """When real client input was last handed on (silence is skipped while input flows)."""
+        self._timeline = InputTimeline(self._clock.now())
+        """How far the client's audio covers real time (silence is fed only once it falls behind)."""
         self._frame_bytes = plugin.frame_samples * plugin.worker_format.frame_bytes
         self._silence_frame = b"\x00" * self._frame_bytes
         self._frame_period = plugin.frame_samples / plugin.worker_format.sample_rate_hz
@@ -379,7 +379,8 @@ class SessionRunner:
             raise
         res.commit()
         self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes
-        self._last_input_at = self._clock.now()
+        fmt = self.settings.input_format
+        self._timeline.client(len(ap.pcm) // fmt.frame_bytes / fmt.sample_rate_hz)
         if self.epoch == fence.epoch:
             self.emitter.acks(self.acks.ack(ap.seq, fence.epoch, received))
         else:  # cancelled meanwhile: the ack of an older epoch holds nothing back
@@ -581,7 +582,7 @@ class SessionRunner:
                 period_s=self._frame_period,
                 max_frames=self._cfg.max_silence_frames,
                 clock=self._clock,
-                last_input=lambda: self._last_input_at,
+                due=lambda: self._timeline.silence_due(self._clock.now(), self._frame_period),
                 request=lambda: self._request_silence(resp),
             )
             resp.feeder.start()
@@ -662,10 +663,11 @@ class SessionRunner:
         return True
 
     async def _on_silence(self, resp: ActiveResponse) -> None:
-        # Skipped when real input is waiting or the epoch/turn/response changed.
+        # Skipped when real input is waiting, the client caught up meanwhile, or the
+        # epoch/turn/response changed.
         if self.response is not resp or resp.epoch != self.epoch or resp.turn_id != self.turn_id:
             return
-        if not self._mailbox.empty():
+        if not self._mailbox.empty() or not self._timeline.silence_due(self._clock.now(), self._frame_period):
             return
         link = self.link
         if link is None or not link.healthy:
@@ -683,6 +685,7 @@ class SessionRunner:
         if self.epoch == resp.epoch:
             self._worker_seq = wseq
             self._handed_on(link, wseq, 1)
+        self._timeline.silence(self._clock.now(), self._frame_period)
         if resp.feeder is not None:
             resp.feeder.fed()
         SILENCE_FRAMES.inc()

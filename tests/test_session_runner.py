@@ -575,7 +575,7 @@ async def test_a_silence_frame_lost_with_its_worker_reports_the_loss_once() -> N
     r = make_runner(link, clock=clock)
     r.on_output(None, None, [step_update(1, 0, turn_ended=True, committed_samples=8000)])
     await settle()
-    await clock.advance(0.040, step=0.004)  # one silence frame is being written ...
+    await clock.advance(0.150, step=0.004)  # one silence frame is being written ...
     assert [s.kind for s in link.subs] == [
         worker_pb2.SUBMISSION_KIND_RESPOND,
         worker_pb2.SUBMISSION_KIND_APPEND,
@@ -591,3 +591,44 @@ async def test_a_silence_frame_lost_with_its_worker_reports_the_loss_once() -> N
     assert kinds(evs) == ["response_done", "error"], kinds(evs)
     assert evs[0].response_done.status == session_pb2.RESPONSE_STATUS_FAILED
     assert evs[1].error.code == "worker_unavailable"
+
+
+@pytest.mark.parametrize("append_ms", [10, 20, 40, 60])
+async def test_no_silence_is_fed_while_the_client_keeps_real_time_in_any_append_size(append_ms: int) -> None:
+    """A client streaming at real time, whatever its append size, gets no silence between its
+    appends: the worker's input timeline is the client's own (no drift), and the reply is paced
+    by the client's audio alone."""
+    clock = ManualClock()
+    link = FakeLink()
+    r = make_runner(link, clock=clock)
+    await start_response(r)
+    pcm = b"\x10\x00" * (16 * append_ms)  # 16 kHz s16 mono
+    sent_s = 0.0
+    seq = 0
+    while sent_s < 3.0:  # 3 s of audio, each append arriving when it has been spoken
+        seq += 1
+        await clock.advance(append_ms / 1000, step=0.002)
+        await r.post(append(seq, pcm))
+        sent_s += append_ms / 1000
+    await settle()
+    frames = [s for s in link.subs if s.kind == worker_pb2.SUBMISSION_KIND_APPEND]
+    assert frames and all(any(s.pcm) for s in frames), "silence was fed between real-time appends"
+    handed_on = sum(len(s.pcm) for s in frames) // 2
+    assert abs(handed_on - round(sent_s * 16000)) < 512  # the worker's position is the client's
+
+
+async def test_silence_keeps_a_reply_at_real_time_once_the_client_goes_quiet() -> None:
+    clock = ManualClock()
+    link = FakeLink()
+    r = make_runner(link, clock=clock)
+    await start_response(r)
+    for seq in range(1, 26):  # 1 s of 40 ms appends at real time
+        await clock.advance(0.040, step=0.004)
+        await r.post(append(seq, b"\x10\x00" * 640))
+    await settle()
+    n = len(link.subs)
+    await clock.advance(2.0, step=0.004)  # then nothing from the client for 2 s
+    silence = [s for s in link.subs[n:] if s.kind == worker_pb2.SUBMISSION_KIND_APPEND]
+    assert all(not any(s.pcm) for s in silence)
+    # Real time, less the allowance it waits before feeding (100 ms, two 40 ms appends' worth).
+    assert abs(len(silence) * 0.032 - (2.0 - 0.1)) <= 0.064, len(silence)
