@@ -52,6 +52,7 @@ class ErrorCode(StrEnum):
     NOT_SESSION_OWNER = "not_session_owner"
     SESSION_CLOSED = "session_closed"
     CAPACITY_EXHAUSTED = "capacity_exhausted"
+    SLOW_CONSUMER = "slow_consumer"
     FENCED = "fenced"
     STALE_EPOCH = "stale_epoch"
     NOT_OWNER = "not_owner"

@@ -38,6 +38,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=0,
+        help="calls in progress at once, unopened streams included (0 = 2 x --max-sessions + 64)",
+    )
+    p.add_argument(
+        "--max-streams-per-connection",
+        type=int,
+        default=0,
+        help="HTTP/2 streams one client connection may hold (0 = --max-sessions + 16)",
+    )
+    p.add_argument(
+        "--max-session-buffer-bytes",
+        type=int,
+        default=RunnerConfig().max_buffer_bytes,
+        help="bytes queued per session each way: client events not yet handled (the client is "
+        "then read no further), server events not yet read (beyond: slow_consumer)",
+    )
+    p.add_argument(
+        "--detached-grace-s",
+        type=float,
+        default=RunnerConfig().detached_grace_s,
+        help="how long a session whose stream ended without close waits for a resume",
+    )
+    p.add_argument(
         "--max-sessions-per-principal",
         type=int,
         default=0,
@@ -172,6 +197,14 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         raise SystemExit("duplex session: --worker-stall-timeout-s must not be negative")
     if args.max_sessions < 1 or args.idle_timeout_s <= 0:
         raise SystemExit("duplex session: --max-sessions and --idle-timeout-s must be positive")
+    if min(args.max_concurrent_rpcs, args.max_streams_per_connection) < 0:
+        raise SystemExit(
+            "duplex session: --max-concurrent-rpcs and --max-streams-per-connection must not be negative"
+        )
+    if args.max_session_buffer_bytes < 64 * 1024:
+        raise SystemExit("duplex session: --max-session-buffer-bytes must be at least 65536")
+    if args.detached_grace_s < 0:
+        raise SystemExit("duplex session: --detached-grace-s must not be negative")
     if args.max_sessions_per_principal < 0:
         raise SystemExit("duplex session: --max-sessions-per-principal must not be negative")
     try:
@@ -187,6 +220,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         metrics_port=args.metrics_port,
         max_sessions=args.max_sessions,
         max_sessions_per_principal=args.max_sessions_per_principal,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_streams_per_connection=args.max_streams_per_connection,
         # From the environment only (DUPLEX_RESUME_SECRETS): a secret in argv is in every
         # process listing.
         resume_keys=resume_keys,
@@ -206,6 +241,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
             idle_timeout_s=args.idle_timeout_s,
             silence_continuation=not args.no_silence_continuation,
             max_unconsumed_input_ms=args.max_unconsumed_input_ms,
+            max_buffer_bytes=args.max_session_buffer_bytes,
+            detached_grace_s=args.detached_grace_s,
         ),
     )
 

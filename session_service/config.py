@@ -19,9 +19,14 @@ class RunnerConfig:
     """Client events queued per session before the reader waits (backpressure to the client)."""
     outbound_limit: int = 8192
     """Server events queued per session; a client that falls further behind is disconnected."""
-    outbound_limit_bytes: int = 4 * 1024 * 1024
-    """Bytes of server events queued per session (the client picks the output format, so a count
-    alone does not bound memory); a client that falls further behind is disconnected."""
+    max_buffer_bytes: int = 4 * 1024 * 1024
+    """Bytes queued per session in each direction: client events waiting in the mailbox (the
+    client is then read no further: backpressure), and server events waiting for the client (in
+    the client's output format, so upsampled sizes count; a client that falls further behind is
+    cut off as a slow consumer). A session holds at most twice this."""
+    detached_grace_s: float = 30.0
+    """How long a session whose stream ended without ``close`` waits for a resume before it is
+    closed for good (capacity comes back; its token is then dead)."""
     submit_timeout_s: float = 5.0
     """How long an append waits for its submission to be written to the worker stream."""
     max_silence_frames: int = 940
@@ -95,8 +100,26 @@ class ServiceConfig:
     max_sessions_per_principal: int = 0
     """Most sessions one principal holds on this replica (RESOURCE_EXHAUSTED beyond; 0 = only
     ``max_sessions``)."""
+    max_concurrent_rpcs: int = 0
+    """Calls in progress at once (streams that have not opened yet count too); beyond it a new
+    call is refused with RESOURCE_EXHAUSTED before any handler runs. 0: twice ``max_sessions``
+    plus 64 (resumes overlapping the streams they replace, health checks)."""
+    max_streams_per_connection: int = 0
+    """HTTP/2 streams one client connection may hold open (``grpc.max_concurrent_streams``).
+    0: ``max_sessions`` plus 16, so one backend multiplexing all its calls on one connection
+    can still use the whole replica."""
     health_listen: str = ""
     """``HOST:PORT`` of a plaintext listener serving only ``grpc.health.v1`` (for probes that
     cannot speak TLS); "" = none."""
     worker_tls: ClientTLS | None = None
     """Mutual TLS towards the workers (the CA that signed them, this replica's certificate)."""
+
+    @property
+    def concurrent_rpcs(self) -> int:
+        """``max_concurrent_rpcs`` with its default applied."""
+        return self.max_concurrent_rpcs or 2 * self.max_sessions + 64
+
+    @property
+    def streams_per_connection(self) -> int:
+        """``max_streams_per_connection`` with its default applied."""
+        return self.max_streams_per_connection or self.max_sessions + 16

@@ -95,9 +95,13 @@ class Outbound:
         self._wake.set()
         return self._attachment
 
-    def close(self) -> None:
-        """No more events; consumers drain what is queued, then get None."""
+    def close(self, *, drop: bool = False) -> None:
+        """No more events; consumers drain what is queued (or nothing, with ``drop``: the memory
+        goes at once), then get None."""
         self._closed = True
+        if drop:
+            self._items.clear()
+            self._bytes = 0
         self._wake.set()
 
     async def get(self, attachment: int) -> session_pb2.ServerEvent | None:

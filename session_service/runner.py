@@ -39,6 +39,7 @@ from session_service.lifecycle import (
     SessionStatus,
     TurnStatus,
 )
+from session_service.mailbox import Mailbox
 from session_service.metrics import DROPPED, EVENTS_IN, MAILBOX_FULL, SILENCE_FRAMES, WORKER_SESSIONS
 from session_service.outbound import Outbound, OutboundOverflow
 from session_service.plugin import Capabilities, DuplexModelPlugin, FramePacketizer, SessionSettings
@@ -57,7 +58,7 @@ FAILED = session_pb2.RESPONSE_STATUS_FAILED
 
 #: Close reasons after which the session is over (its worker tombstones it; its token is dead).
 #: A drained or fenced session lives on elsewhere.
-ENDED_FOR_GOOD = frozenset({"client_close", "idle_timeout", "slow_consumer", "internal_error"})
+ENDED_FOR_GOOD = frozenset({"client_close", "idle_timeout", "detached", "slow_consumer", "internal_error"})
 
 
 class WorkerHandle(Protocol):
@@ -87,6 +88,11 @@ class _Inbound:
 
     event: session_pb2.ClientEvent
     received: float
+
+
+@dataclass(slots=True)
+class _Wake:
+    """Nothing to do but look at the timers again (the stream detached)."""
 
 
 @dataclass(slots=True)
@@ -154,11 +160,16 @@ class SessionRunner:
         self.link: WorkerHandle | None = None
         self._bind(link)
         self.outbound = Outbound(
-            lambda: self.epoch, limit=cfg.outbound_limit, limit_bytes=cfg.outbound_limit_bytes
+            lambda: self.epoch, limit=cfg.outbound_limit, limit_bytes=cfg.max_buffer_bytes
         )
         self.emitter = Emitter(self.outbound, self._clock)
         self._output = WorkerOutput(self, plugin, self._clock)
-        self._mailbox: asyncio.Queue[_Inbound | _Silence] = asyncio.Queue(cfg.mailbox_size)
+        self._mailbox: Mailbox[_Inbound | _Silence | _Wake] = Mailbox(
+            max_items=cfg.mailbox_size, max_bytes=cfg.max_buffer_bytes
+        )
+        self._detached_at: float | None = None
+        """When the client's stream ended without close (None while a stream is attached)."""
+        self._on_slow_consumer: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._last_seq = 0
         self._worker_seq = 0
@@ -191,10 +202,9 @@ class SessionRunner:
             return
         now = self._last_client = self._clock.now()
         item = _Inbound(event, received if received is not None else now)
-        try:
-            self._mailbox.put_nowait(item)
-        except asyncio.QueueFull:
-            await self._mailbox.put(item)
+        size = event.ByteSize()
+        if not self._mailbox.put_nowait(item, size):
+            await self._mailbox.put(item, size)
 
     def close(self, reason: str) -> None:
         """Close from outside the runner (drain, shutdown): answer ``closed`` and stop."""
@@ -225,13 +235,25 @@ class SessionRunner:
             )
         )
 
-    def attach_stream(self) -> int:
+    def attach_stream(self, *, on_slow_consumer: Callable[[], None] | None = None) -> int:
         """A client stream takes over the session's output (an open, or a resume); a stream it
-        displaces is told ``closed{reason="resumed_elsewhere"}`` before it ends."""
+        displaces is told ``closed{reason="resumed_elsewhere"}`` before it ends.
+        ``on_slow_consumer`` is called if this stream's client stops reading and the session is
+        closed for it (the servicer ends the call)."""
+        self._detached_at = None
+        self._on_slow_consumer = on_slow_consumer
         farewell = None
         if self.outbound.current_attachment:
             farewell = self.emitter.event("closed", session_pb2.SessionClosed(reason="resumed_elsewhere"))
         return self.outbound.attach(farewell=farewell)
+
+    def detach(self) -> None:
+        """The client's stream ended without ``close``: the session waits ``detached_grace_s``
+        for a resume, then closes for good (a dropped stream must not hold capacity)."""
+        if self.closed:
+            return
+        self._detached_at = self._clock.now()
+        self._mailbox.put_nowait(_Wake())  # re-arm the mailbox wait with the new deadline
 
     def go_away(self, reason: str) -> None:
         self._safely(
@@ -273,17 +295,25 @@ class SessionRunner:
                 self._close("internal_error")
 
     async def _next_item(self) -> _Inbound | _Silence | None:
-        if not self._mailbox.empty():  # the common case under load: no timer, no suspension
-            return self._mailbox.get_nowait()
+        item = self._mailbox.get_nowait()
+        if item is not None:  # the common case under load: no timer, no suspension
+            return None if isinstance(item, _Wake) else item
         # A client may shorten the operator's idle timeout, never extend it: an abandoned
         # session must not pin capacity longer than the operator allows.
         idle = float(min(self.settings.idle_timeout_s or self._cfg.idle_timeout_s, self._cfg.idle_timeout_s))
-        wait = max(0.05, self._last_client + idle - self._clock.now())
+        deadline = self._last_client + idle
+        if self._detached_at is not None:
+            deadline = min(deadline, self._detached_at + self._cfg.detached_grace_s)
+        wait = max(0.05, deadline - self._clock.now())
         try:
             async with self._clock.timeout(wait):
-                return await self._mailbox.get()
+                got = await self._mailbox.get()
+                return None if isinstance(got, _Wake) else got
         except TimeoutError:
-            if self.response is None and self._clock.now() - self._last_client >= idle:
+            now = self._clock.now()
+            if self._detached_at is not None and now - self._detached_at >= self._cfg.detached_grace_s:
+                self._close("detached")
+            elif self.response is None and now - self._last_client >= idle:
                 self._close("idle_timeout")
             return None
 
@@ -655,9 +685,7 @@ class SessionRunner:
     # ---- silence continuation --------------------------------------------------------------
 
     def _request_silence(self, resp: ActiveResponse) -> bool:
-        try:
-            self._mailbox.put_nowait(_Silence(resp))
-        except asyncio.QueueFull:
+        if not self._mailbox.put_nowait(_Silence(resp)):
             MAILBOX_FULL.inc()
             return False
         return True
@@ -815,7 +843,11 @@ class SessionRunner:
                 )
             )
             self._bind(None)
-        self.outbound.close()
+        # A client that stopped reading does not get its backlog: its memory goes now, and the
+        # call ends with slow_consumer (the servicer aborts it).
+        self.outbound.close(drop=reason == "slow_consumer")
+        if reason == "slow_consumer" and self._on_slow_consumer is not None:
+            self._on_slow_consumer()
         self._on_closed(self)
         # Closed from the router, a timer or the server: stop the mailbox task too.
         if self._task is not None and self._task is not asyncio.current_task():

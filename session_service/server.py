@@ -106,9 +106,16 @@ class SessionServer:
         # config; anything bigger is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
         # Authentication is one interceptor in front of every service but health: a call
         # without valid credentials is refused before its handler runs (no session state).
+        # Calls and streams are bounded explicitly: beyond them gRPC refuses a call before any
+        # handler runs (RESOURCE_EXHAUSTED), so a flood of streams that never open cannot hold
+        # the replica; see ServiceConfig.max_concurrent_rpcs / max_streams_per_connection.
         server = self._server = grpc.aio.server(
-            options=server_options(max_receive_bytes=self.plugin.max_append_bytes + 64 * 1024),
+            options=[
+                *server_options(max_receive_bytes=self.plugin.max_append_bytes + 64 * 1024),
+                ("grpc.max_concurrent_streams", self.config.streams_per_connection),
+            ],
             interceptors=[self.auth.interceptor()] if self.auth.enabled else None,
+            maximum_concurrent_rpcs=self.config.concurrent_rpcs,
         )
         servicer = DuplexSessionServicer(
             self.manager, open_timeout_s=self.config.open_timeout_s, principal_of=self.auth.principal_of

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import grpc
 
-from duplex.errors import BadRequestError, DuplexError, ErrorCode, abort
+from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, abort
 from duplex.v1 import session_pb2, session_pb2_grpc
 from session_service.auth import PrincipalOf, anonymous
 from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN
@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 #: How long a half-close must stand before it counts as "close" (a cancel looks alike at first).
 HALF_CLOSE_GRACE_S = 0.05
+
+#: Events a stream may send before its open (each answered ``session_not_open``) before the
+#: call is ended: a stream that never opens must not live on by sending junk.
+MAX_REFUSED_BEFORE_OPEN = 8
 
 SERVICE_NAME = session_pb2.DESCRIPTOR.services_by_name["DuplexSession"].full_name
 
@@ -51,9 +55,11 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         it = aiter(request_iterator)
         runner: SessionRunner | None = None
         refused = 0
+        # One deadline for the whole stream: refused events do not extend it.
+        deadline = asyncio.get_running_loop().time() + self._open_timeout_s
         while runner is None:
             try:
-                async with asyncio.timeout(self._open_timeout_s):
+                async with asyncio.timeout_at(deadline):
                     ev = await anext(it)
             except StopAsyncIteration:
                 return
@@ -72,6 +78,14 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 await self._abort(context, err)
             if runner is None:
                 refused += 1
+                if refused > MAX_REFUSED_BEFORE_OPEN:
+                    await self._abort(
+                        context,
+                        BadRequestError(
+                            ErrorCode.SESSION_NOT_OPEN,
+                            f"no open or resume in the first {MAX_REFUSED_BEFORE_OPEN} events",
+                        ),
+                    )
                 ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
                 yield session_pb2.ServerEvent(
                     event_id=f"pre_{refused}",
@@ -81,7 +95,14 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                         event_id=ev.event_id,
                     ),
                 )
-        attachment = runner.attach_stream()
+        cut_off: list[asyncio.Task[None]] = []
+
+        def on_slow_consumer() -> None:
+            # From the runner, while this handler may be blocked writing to a client that does
+            # not read: the call is aborted from another task, at once.
+            cut_off.append(asyncio.create_task(self._cut_off(context)))
+
+        attachment = runner.attach_stream(on_slow_consumer=on_slow_consumer)
         reader = asyncio.create_task(self._pump(it, runner, attachment, context))
         try:
             while True:
@@ -89,10 +110,27 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 if out is None:
                     break
                 yield out
+            if cut_off:
+                await cut_off[0]  # the call ends with slow_consumer, not OK
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+            if not runner.closed and runner.outbound.current_attachment == attachment:
+                # The stream ended without close (dropped, cancelled): the session waits a
+                # grace for a resume, then releases what it holds.
+                runner.detach()
+
+    async def _cut_off(
+        self, context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent]
+    ) -> None:
+        err = CapacityError(
+            ErrorCode.SLOW_CONSUMER,
+            "the client did not read its events in time; the session is closed",
+            retryable=False,
+        )
+        with contextlib.suppress(Exception):  # AbortError: the call is ended (or was already)
+            await self._abort(context, err)
 
     async def _abort(
         self,
@@ -113,7 +151,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             async for ev in it:
                 await runner.post(ev)  # stamped on the runner's clock as it arrives
         except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
-            return  # dropped stream: the runner stays for a resume until its idle timeout
+            return  # dropped stream: the runner waits the detached grace for a resume
         except Exception:
             log.exception("session %s: reading the client stream failed", runner.session_id)
             return

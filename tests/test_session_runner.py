@@ -366,7 +366,7 @@ async def test_an_active_response_keeps_an_idle_session_open() -> None:
 
 
 async def test_a_client_that_stops_reading_is_cut_off_by_bytes_not_only_by_count() -> None:
-    r = make_runner(FakeLink(), outbound_limit_bytes=64 * 1024)
+    r = make_runner(FakeLink(), max_buffer_bytes=64 * 1024)
     await start_response(r)
     for _ in range(20):  # 20 x 1 KiB frames fit
         audio(r, 1, 1, pcm=b"\x00" * 1024)
