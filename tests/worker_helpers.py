@@ -104,10 +104,17 @@ async def worker(
 class RunClient:
     """One owner's Run stream: send commands, receive StepOutputs with timeouts."""
 
-    def __init__(self, stub: worker_pb2_grpc.DuplexWorkerStub, owner: str) -> None:
+    def __init__(
+        self,
+        stub: worker_pb2_grpc.DuplexWorkerStub,
+        owner: str,
+        *,
+        releases: tuple[worker_pb2.Release, ...] = (),
+    ) -> None:
+        """``releases``: carried by the stream's first command (with the owner)."""
         self.owner = owner
         self._out: asyncio.Queue[worker_pb2.WorkerCommand | None] = asyncio.Queue()
-        self._out.put_nowait(worker_pb2.WorkerCommand(owner=owner))
+        self._out.put_nowait(worker_pb2.WorkerCommand(owner=owner, release=releases))
         self.call = stub.Run(self._commands())
         self.received: list[worker_pb2.StepOutput] = []
         self.held: list[worker_pb2.StepOutput] = []
