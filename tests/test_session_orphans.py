@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import signal
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -26,7 +28,17 @@ from session_service.placement import WorkerPool
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.routing import Router, SessionRegistry
 from session_service.worker_link import WorkerLink
-from tests.session_helpers import Conversation, open_event, sample, session_server, worker_server
+from tests.procs import start_service
+from tests.session_helpers import (
+    Conversation,
+    metric_value,
+    metrics_text,
+    open_event,
+    sample,
+    session_server,
+    worker_args,
+    worker_server,
+)
 from tests.worker_helpers import wait_until
 
 FRAME = b"\x10\x00" * 512
@@ -179,6 +191,56 @@ async def test_worker_state_nobody_holds_is_released_once_the_link_is_back(loss:
         for c in convs:
             for e in c.of("error"):
                 assert_no_leak(e.error.message)
+
+
+@pytest.mark.process
+async def test_a_stopped_worker_holds_nothing_for_closed_sessions_once_it_continues() -> None:
+    """The measured case: the worker process is stopped (SIGSTOP) while its sessions talk, the
+    replica's stall watchdog gives up on it, every client closes its session, the worker
+    continues (SIGCONT). Its ``duplex_worker_active_requests`` goes back to 0 at once, not after
+    an orphan grace (here 120 s, which the replica's reconnect cancels anyway)."""
+    worker = await asyncio.to_thread(start_service, worker_args("--orphan-grace-s", "120", device="cpu"))
+    stopped = False
+
+    def active() -> float | None:
+        return metric_value(metrics_text(worker.metrics), "duplex_worker_active_requests")
+
+    async def until_active(n: float, within: float) -> None:
+        async with asyncio.timeout(within):
+            while await asyncio.to_thread(active) != n:  # noqa: ASYNC110  (another process's metric)
+                await asyncio.sleep(0.1)
+
+    try:
+        async with (
+            session_server([worker.grpc], worker_backoff_max_s=0.2, worker_stall_timeout_s=0.5) as replica,
+            grpc.aio.insecure_channel(replica.address) as ch,
+        ):
+            link = replica.pool.links[worker.grpc]
+            convs = [Conversation(ch).start(open_event()) for _ in range(3)]
+            for c in convs:
+                await c.wait_kind("opened")
+                c.append(FRAME)
+                await c.wait_kind("input_ack")
+            await until_active(3, within=10)
+            os.kill(worker.pid, signal.SIGSTOP)
+            stopped = True
+            for c in convs:  # input the stopped worker owes an answer to
+                c.append(FRAME)
+            await wait_until(lambda: not link.healthy, within=15)
+            for c in convs:
+                c.send(CLOSE)
+                await c.wait_kind("closed")
+                for e in c.of("error"):
+                    assert_no_leak(e.error.message)
+            os.kill(worker.pid, signal.SIGCONT)
+            stopped = False
+            await wait_until(lambda: link.healthy, within=20)
+            await until_active(0, within=15)
+    finally:
+        if stopped:
+            os.kill(worker.pid, signal.SIGCONT)
+        worker.proc.kill()
+        await asyncio.to_thread(worker.proc.wait, 10)
 
 
 async def test_a_release_issued_while_the_link_is_down_reaches_the_worker() -> None:
