@@ -10,6 +10,11 @@ Who is calling: with mutual TLS an owner is ``IDENTITY/owner``, the verified cer
 identity with the caller's own owner id scoped under it (``owner_key``), for Attach, Run and every
 command, so no identity can hold, replace or fence another's owner. Every id is bounded
 (``MAX_ID_LENGTH``) and logged escaped (``%r``): a caller's id cannot forge a log line.
+
+State nobody owns does not stay: a new Run stream first lists what the worker holds for its
+owner (``StepOutput.held_sessions``), which the owner reconciles by releasing what it no longer
+has; an owner that does not come back within the orphan grace has its sessions reaped; and an
+Attach that nobody uses while its owner has no Run stream expires (``attach_lease_s``).
 """
 
 from __future__ import annotations
@@ -279,8 +284,6 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             logger.info("owner %r: Run stream ended", owner)
             if not self._hub.has(owner) and owner not in self._reapers:
                 self._reapers[owner] = asyncio.create_task(self._reap_orphans(owner))
-                # Leases are judged again only when they expire: one of a session that was
-                # claimed is gone, so the reaper covers those.
 
     async def _reap_orphans(self, owner: str) -> None:
         """Release the sessions of an owner that did not come back (crashed, partitioned, cut
