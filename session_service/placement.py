@@ -4,7 +4,10 @@ Every replica computes the same owner for a session from the session id and the 
 worker set alone, so no shared state is needed; removing a worker moves only its sessions.
 ``WorkerPool`` holds the links (``session_service.worker_link`` in the service; anything that
 is a ``PlacementLink`` in a test) and attaches a session on its rendezvous choice, the next one
-when a worker does not answer.
+when a worker does not answer or has no room.
+
+What placement raises may reach a client as it is: its messages never name a worker (its
+address) nor carry gRPC's own text (which names addresses too); those are logged here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Generic, Protocol, TypeVar
 
 import grpc
 
-from duplex.errors import DuplexError, ErrorCode, UnavailableError
+from duplex.errors import CapacityError, DuplexError, ErrorCode, UnavailableError
 from session_service.metrics import WORKERS_HEALTHY
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,11 @@ _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_
 _REFUSALS = frozenset(
     {ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED, ErrorCode.SESSION_CLOSED}
 )
+
+#: What a client is told when no worker took the session (the details are logged).
+NO_WORKER_REACHABLE = "no worker of the model is reachable"
+NO_WORKER_TOOK = "no worker could take the session"
+NO_WORKER_ROOM = "no worker has room for the session"
 
 
 def _score(key: str, node: str) -> int:
@@ -130,31 +138,31 @@ class WorkerPool(Generic[L]):
     def pick(self, session_id: str) -> L:
         ranked = self.rank(session_id)
         if not ranked:
-            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "no worker of the model is reachable")
+            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, NO_WORKER_REACHABLE)
         return ranked[0]
 
     async def place(self, session_id: str, epoch: int, takeover: bool) -> tuple[L, int]:
         """Attach the session on its rendezvous choice among the healthy workers; returns the
         link and the granted epoch.
 
-        A worker that does not answer the Attach (gone, or its stream lost meanwhile) is skipped
-        for the next one in rendezvous order; a fencing refusal (``stale_epoch``, ``not_owner``,
-        ``fenced``) or ``session_closed`` is final and raised as it is. The link returned is
-        healthy and on the same Run stream the Attach was made under, so the session's first
-        submission reaches the worker that holds its attachment.
+        A worker that does not answer the Attach (gone, or its stream lost meanwhile) or has no
+        room (``capacity_exhausted``) is skipped for the next one in rendezvous order; a fencing
+        refusal (``stale_epoch``, ``not_owner``, ``fenced``) or ``session_closed`` is final and
+        raised as it is. When no worker took it: ``capacity_exhausted`` if one had no room, else
+        ``worker_unavailable`` (both retryable), with a message that names no worker. The link
+        returned is healthy and on the same Run stream the Attach was made under, so the
+        session's first submission reaches the worker that holds its attachment.
         """
         tried: set[str] = set()
-        last: DuplexError | None = None
+        full = False
         while True:
             ranked = [link for link in self.rank(session_id) if link.address not in tried]
             if not ranked:
-                if last is None:
-                    raise UnavailableError(
-                        ErrorCode.WORKER_UNAVAILABLE, "no worker of the model is reachable"
-                    )
+                if full:
+                    raise CapacityError(ErrorCode.CAPACITY_EXHAUSTED, NO_WORKER_ROOM)
                 raise UnavailableError(
-                    ErrorCode.WORKER_UNAVAILABLE, f"no worker could take the session: {last.message}"
-                ) from last
+                    ErrorCode.WORKER_UNAVAILABLE, NO_WORKER_TOOK if tried else NO_WORKER_REACHABLE
+                )
             link = ranked[0]
             tried.add(link.address)
             generation = link.generation
@@ -165,13 +173,21 @@ class WorkerPool(Generic[L]):
             except DuplexError as err:
                 if err.code in _REFUSALS:
                     raise
+                log.warning(
+                    "session %s: attach to %s failed: %s (%s)",
+                    session_id,
+                    link.address,
+                    err.message,
+                    err.status.name,
+                )
+                if err.code == ErrorCode.CAPACITY_EXHAUSTED:
+                    full = True
+                    continue
                 if err.status not in _UNREACHABLE:
-                    raise UnavailableError(
-                        ErrorCode.WORKER_UNAVAILABLE, f"attach failed: {err.message}"
-                    ) from err
-                log.warning("session %s: attach to %s failed: %s", session_id, link.address, err.message)
-                last = err
+                    raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, NO_WORKER_TOOK) from err
                 continue
             if link.healthy and link.generation == generation:
                 return link, granted
-            last = UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"worker {link.address} went away")
+            log.warning(
+                "session %s: the Run stream to %s was lost while it attached", session_id, link.address
+            )

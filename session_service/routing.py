@@ -4,12 +4,24 @@ Every ``StepOutput`` first goes through ``route_step``: an invalid AUDIO declara
 payload of the step at all. Updates (VAD, commits, completions, errors) still reach their
 sessions, since each names its own request. Output for a request this replica does not hold,
 or from a worker the session is no longer placed on, is dropped and counted.
+
+Reconciliation: a new Run stream starts with the worker's list of the sessions it holds for
+this replica (``StepOutput.held_sessions``). Each one this replica does not hold on that link
+(not in the registry, closed, or its runner bound to another worker or to none, as after the
+link was lost) is released at the worker, echoing the listed fence, so its model state does not
+outlive the link. The rule is exact, not timed: a session held here and bound to the link is
+kept, and so is one with an Attach in flight on the link (placement binds it, or the link
+releases it again). A release at the listed epoch cannot release a later attachment: every
+re-placement is a takeover, which the worker grants at a higher epoch.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from prometheus_client import Counter
 
 from duplex.v1 import common_pb2, worker_pb2
 from session_service.metrics import DROPPED
@@ -18,6 +30,20 @@ from session_service.sparse_router import route_step
 from session_service.worker_output import DropReason
 
 log = logging.getLogger(__name__)
+
+RECONCILED = Counter(
+    "duplex_session_reconciled_releases",
+    "Sessions a worker listed as held for this replica on a new Run stream that this replica no "
+    "longer held on it (closed or moved while the link was down), released there.",
+)
+
+
+class ReconcilingLink(WorkerHandle, Protocol):
+    """What reconciliation needs of a link besides ``WorkerHandle`` (``WorkerLink`` is one)."""
+
+    def attaching(self, session_id: str) -> bool:
+        """Whether an Attach of the session is in flight on the link."""
+        ...
 
 
 class SessionRegistry:
@@ -49,7 +75,9 @@ class Router:
     def __init__(self, registry: SessionRegistry) -> None:
         self._registry = registry
 
-    def on_step(self, link: WorkerHandle, step: worker_pb2.StepOutput) -> None:
+    def on_step(self, link: ReconcilingLink, step: worker_pb2.StepOutput) -> None:
+        if step.held_sessions:
+            self.reconcile(link, step.held_sessions)
         routed = route_step(step)
         if routed.failed_closed is not None:
             DROPPED[DropReason.FAIL_CLOSED].inc(len(step.outputs.audio))
@@ -72,6 +100,28 @@ class Router:
                 runner.on_output(fences.get(rid), routed.payloads.get(rid), updates.get(rid, ()))
             except Exception:  # one session's failure must not starve the others
                 log.exception("routing to session %s failed", rid)
+
+    def reconcile(self, link: ReconcilingLink, held: Iterable[common_pb2.Fence]) -> list[str]:
+        """Release, at the worker behind ``link``, every listed session this replica does not
+        hold on that link; returns their ids."""
+        released: list[str] = []
+        for fence in held:
+            sid = fence.session_id
+            runner = self._registry.get(sid)
+            if runner is not None and not runner.closed and runner.link is link:
+                continue
+            if link.attaching(sid):
+                continue
+            link.release(worker_pb2.Release(request_id=sid, fence=fence))
+            released.append(sid)
+        if released:
+            RECONCILED.inc(len(released))
+            log.info(
+                "worker %s: released %d sessions it held for this replica that are no longer held on it here",
+                link.address,
+                len(released),
+            )
+        return released
 
     def on_link_lost(self, link: WorkerHandle) -> None:
         for runner in self._registry:

@@ -15,6 +15,17 @@ A watchdog task per stream polls the link's ``Liveness`` (``session_service.live
 times per stall timeout; when the worker has owed something and sent nothing for
 ``stall_timeout_s``, the link is lost exactly as if the stream had dropped, and reconnects with
 backoff, so a worker that resumes answering comes back.
+
+Nothing the worker holds for this replica outlives a lost link: a release that cannot be sent
+(the link is down, or the write that carried it failed) is kept, bounded, and sent first on the
+next stream; and every new stream starts with the worker's list of what it holds for this
+replica (``StepOutput.held_sessions``), which the router reconciles (``routing.Router``):
+whatever this replica no longer holds on this link is released. Sessions with an Attach in
+flight on the link are not judged (``attaching``); an Attach that succeeds on a stream that is
+gone by then is released again, since placement will not use it.
+
+Messages that may reach a client never name the worker (its address) or carry gRPC's own
+text; those details are logged here instead.
 """
 
 from __future__ import annotations
@@ -23,16 +34,18 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client import Counter as MetricCounter
 
 from duplex.clock import MONOTONIC, Clock
 from duplex.errors import ErrorCode, UnavailableError, from_rpc_error
 from duplex.serving import CHANNEL_OPTIONS
 from duplex.tls import ChannelCredentials
-from duplex.v1 import worker_pb2, worker_pb2_grpc
+from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from session_service.liveness import Liveness, WorkerStalledError
 from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS
 from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
@@ -44,6 +57,25 @@ BACKOFF_INITIAL_S = 0.1
 
 #: Default stall timeout of a link (``ServiceConfig.worker_stall_timeout_s``); 0 turns it off.
 DEFAULT_STALL_TIMEOUT_S = 3.0
+
+#: Releases a link keeps while it has no stream (one per session; beyond it the oldest is
+#: dropped and counted: the next stream's reconciliation releases that session anyway). Four
+#: times a worker's default session limit.
+MAX_KEPT_RELEASES = 4096
+
+#: What a client is told when the session's worker cannot be reached; the details are logged.
+UNAVAILABLE_MESSAGE = "the session's worker is unavailable"
+
+RELEASES_DROPPED = MetricCounter(
+    "duplex_session_worker_releases_dropped",
+    "Releases for a worker whose link was down that were not kept (more than "
+    f"{MAX_KEPT_RELEASES} waiting); the worker's list of held sessions on the next stream "
+    "releases those sessions instead.",
+)
+RELEASES_KEPT = MetricCounter(
+    "duplex_session_worker_releases_kept",
+    "Releases for a worker whose link was down, kept to be sent first on its next stream.",
+)
 
 
 def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
@@ -106,6 +138,10 @@ class WorkerLink:
         """Counts Run streams opened: a session attached under one generation is not attached
         to the (possibly restarted) worker behind a later one."""
         self._pending = _Pending()
+        self._kept: OrderedDict[str, worker_pb2.Release] = OrderedDict()
+        """Releases waiting for a stream, by session id, oldest first (``MAX_KEPT_RELEASES``)."""
+        self._attaching: Counter[str] = Counter()
+        """Sessions with an Attach in flight on this link (reconciliation leaves them alone)."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -155,7 +191,8 @@ class WorkerLink:
     def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
         """Queue submissions for the next command; resolves when that command is written."""
         if not self._healthy:
-            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"worker {self.address} is unavailable")
+            log.debug("worker %s: no stream: submission refused", self.address)
+            raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, UNAVAILABLE_MESSAGE)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.submit.extend(subs)
         self._pending.futures.append(fut)
@@ -168,12 +205,55 @@ class WorkerLink:
             self._wake.set()
 
     def release(self, release: worker_pb2.Release) -> None:
+        """Release a session at the worker: with the next command, or, while the link has no
+        stream, first thing on the next one (kept, bounded)."""
         if self._healthy:
             self._pending.release.append(release)
             self._wake.set()
+        else:
+            self._keep([release])
+
+    def _keep(self, releases: Sequence[worker_pb2.Release], *, count: bool = True) -> None:
+        """Keep releases for the next stream: one per session (a later one replaces an earlier
+        one, closed if either was), at most ``MAX_KEPT_RELEASES``, the oldest dropped first."""
+        kept = self._kept
+        for rel in releases:
+            sid = rel.fence.session_id
+            earlier = kept.pop(sid, None)
+            if earlier is not None and earlier.closed and not rel.closed:
+                rel = worker_pb2.Release(request_id=rel.request_id, fence=rel.fence, closed=True)
+            kept[sid] = rel
+            if count:
+                RELEASES_KEPT.inc()
+        while len(kept) > MAX_KEPT_RELEASES:
+            kept.popitem(last=False)
+            RELEASES_DROPPED.inc()
+
+    @property
+    def kept_releases(self) -> list[str]:
+        """The sessions whose releases wait for the next stream, oldest first."""
+        return list(self._kept)
+
+    def attaching(self, session_id: str) -> bool:
+        """Whether an Attach of the session is in flight on this link."""
+        return session_id in self._attaching
+
+    def _forget_releases(self, session_id: str) -> None:
+        """The session is being attached here again: an unsent release of it is out of date
+        (sent after the Attach it would release the new attachment)."""
+        self._kept.pop(session_id, None)
+        pending = self._pending.release
+        if pending:
+            self._pending.release = [r for r in pending if r.fence.session_id != session_id]
 
     async def attach(self, session_id: str, epoch: int, *, takeover: bool, deadline_s: float) -> int:
-        """Bind a session to this replica at ``epoch``; returns the granted epoch."""
+        """Bind a session to this replica at ``epoch``; returns the granted epoch.
+
+        An Attach that succeeds after the stream it was made under went away is released again
+        (placement does not use it: ``placement.WorkerPool.place`` checks the same thing)."""
+        self._forget_releases(session_id)
+        generation = self.generation
+        self._attaching[session_id] += 1
         try:
             resp = await self._stub.Attach(
                 worker_pb2.AttachRequest(
@@ -182,8 +262,16 @@ class WorkerLink:
                 timeout=deadline_s,
             )
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
-        return int(resp.epoch)
+            raise from_rpc_error(exc) from exc  # placement logs it, with this worker's address
+        finally:
+            self._attaching[session_id] -= 1
+            if self._attaching[session_id] <= 0:
+                del self._attaching[session_id]
+        granted = int(resp.epoch)
+        if not (self._healthy and self.generation == generation):
+            fence = common_pb2.Fence(session_id=session_id, epoch=granted)
+            self.release(worker_pb2.Release(request_id=session_id, fence=fence))
+        return granted
 
     # ---- the stream ------------------------------------------------------------------------
 
@@ -217,10 +305,22 @@ class WorkerLink:
 
     async def _serve_stream(self) -> None:
         call = self._stub.Run()
-        await call.write(worker_pb2.WorkerCommand(owner=self.owner))
+        # The releases kept while there was no stream go first, in the stream's first command:
+        # the worker applies them before it lists what it holds for this replica.
+        kept = list(self._kept.values())
+        self._kept.clear()
+        try:
+            await call.write(worker_pb2.WorkerCommand(owner=self.owner, release=kept))
+        except BaseException:
+            self._keep([r for r in kept if r.fence.session_id not in self._kept], count=False)
+            raise
         self.generation += 1
         self.liveness.reset()
         self._healthy = True
+        if self._kept:  # released while the first command was being written
+            self._pending.release.extend(self._kept.values())
+            self._kept.clear()
+            self._wake.set()
         self._on_health()
         log.info(
             "worker %s: Run stream open (model %s)",
@@ -315,13 +415,16 @@ class WorkerLink:
             WORKER_COMMAND_SIZE.observe(len(pending.submit) + len(pending.abort) + len(pending.release))
             try:
                 await call.write(cmd)
-            except BaseException as exc:
+            except BaseException:
                 # Sessions hear of the loss first (their response fails, their turn ends), then
                 # the writers waiting on this command: their failure is a consequence, not news.
+                # Its releases are kept for the next stream (one that did arrive is ignored).
+                # What failed is logged where the stream's end is; the writers get no details.
+                self._keep(pending.release)
                 self._lose()
                 for fut in pending.futures:
                     if not fut.done():
-                        fut.set_exception(ConnectionError(f"worker stream write failed: {exc!r}"))
+                        fut.set_exception(ConnectionError(UNAVAILABLE_MESSAGE))
                 raise
             self.commands_sent += 1
             for fut in pending.futures:
@@ -332,9 +435,10 @@ class WorkerLink:
         was = self._healthy
         self._healthy = False
         pending, self._pending = self._pending, _Pending()
+        self._keep(pending.release)  # unsent: first thing on the next stream
         for fut in pending.futures:
             if not fut.done():
-                fut.set_exception(ConnectionError(f"worker {self.address} went away"))
+                fut.set_exception(ConnectionError(UNAVAILABLE_MESSAGE))
         if was:
             log.warning("worker %s: Run stream lost", self.address)
             self._on_lost(self)

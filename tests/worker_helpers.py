@@ -104,12 +104,21 @@ async def worker(
 class RunClient:
     """One owner's Run stream: send commands, receive StepOutputs with timeouts."""
 
-    def __init__(self, stub: worker_pb2_grpc.DuplexWorkerStub, owner: str) -> None:
+    def __init__(
+        self,
+        stub: worker_pb2_grpc.DuplexWorkerStub,
+        owner: str,
+        *,
+        releases: tuple[worker_pb2.Release, ...] = (),
+    ) -> None:
+        """``releases``: carried by the stream's first command (with the owner)."""
         self.owner = owner
         self._out: asyncio.Queue[worker_pb2.WorkerCommand | None] = asyncio.Queue()
-        self._out.put_nowait(worker_pb2.WorkerCommand(owner=owner))
+        self._out.put_nowait(worker_pb2.WorkerCommand(owner=owner, release=releases))
         self.call = stub.Run(self._commands())
         self.received: list[worker_pb2.StepOutput] = []
+        self.held: list[worker_pb2.StepOutput] = []
+        """The stream's reconciliation lists (``held_sessions``), kept apart from the rest."""
 
     async def _commands(self) -> AsyncIterator[worker_pb2.WorkerCommand]:
         while True:
@@ -127,10 +136,25 @@ class RunClient:
         self._out.put_nowait(worker_pb2.WorkerCommand(submit=submissions, abort=aborts, release=releases))
 
     async def recv(self, wait_s: float = 5.0) -> worker_pb2.StepOutput:
+        """The next StepOutput; reconciliation lists (a new stream's ``held_sessions``) go to
+        ``held`` instead."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            msg = await asyncio.wait_for(self.call.read(), max(0.01, deadline - time.monotonic()))
+            assert msg is not grpc.aio.EOF, "Run stream ended"
+            if msg.held_sessions:
+                self.held.append(msg)
+                continue
+            self.received.append(msg)
+            return msg
+
+    async def held_list(self, wait_s: float = 5.0) -> list[tuple[str, int]]:
+        """The stream's reconciliation list, as (session id, epoch) pairs: it comes first."""
         msg = await asyncio.wait_for(self.call.read(), wait_s)
         assert msg is not grpc.aio.EOF, "Run stream ended"
-        self.received.append(msg)
-        return msg
+        assert msg.held_sessions, f"not a reconciliation list: {msg}"
+        self.held.append(msg)
+        return [(f.session_id, f.epoch) for f in msg.held_sessions]
 
     async def until(
         self, pred: Callable[[worker_pb2.StepOutput], bool], wait_s: float = 10.0

@@ -14,7 +14,13 @@ from pathlib import Path
 from duplex.errors import DuplexError
 from duplex.serving import split_host_port
 from duplex.tls import ServerTLS
-from worker_service.config import DEFAULT_MAX_CLOSED_SESSIONS, DEFAULT_TOMBSTONE_TTL_S, WorkerConfig
+from worker_service.config import (
+    DEFAULT_ATTACH_LEASE_S,
+    DEFAULT_MAX_CLOSED_SESSIONS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_TOMBSTONE_TTL_S,
+    WorkerConfig,
+)
 from worker_service.models import MODELS
 from worker_service.server import WorkerServer
 
@@ -35,7 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = any free port)")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda[:i]")
     p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--max-sessions", type=int, default=0, help="0 = unbounded")
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=DEFAULT_MAX_SESSIONS,
+        help="most sessions attached at once; an Attach beyond it is refused with "
+        "RESOURCE_EXHAUSTED capacity_exhausted (retryable: the session service tries the next "
+        f"worker). Default {DEFAULT_MAX_SESSIONS}: four session replicas' worth at their default "
+        "--max-sessions, about what one worker keeps real-time at --max-batch 256; 0 = unbounded",
+    )
     p.add_argument("--max-queued-frames", type=int, default=1024, help="per-request input queue bound")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--drain-grace-s", type=float, default=5.0)
@@ -44,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="release an owner's sessions this long after its last Run stream ended",
+    )
+    p.add_argument(
+        "--attach-lease-s",
+        type=float,
+        default=DEFAULT_ATTACH_LEASE_S,
+        help="release an attached session that got no submission or abort within this time "
+        "of its Attach when its owner has no Run stream then (an owner that attached and never "
+        f"came to use it); 0 = never; default {DEFAULT_ATTACH_LEASE_S:g} s",
     )
     p.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
     p.add_argument("--log-level", default="INFO")
@@ -149,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_queued_frames=args.max_queued_frames,
         drain_grace_s=args.drain_grace_s,
         orphan_grace_s=args.orphan_grace_s,
+        attach_lease_s=args.attach_lease_s,
         torch_threads=args.torch_threads,
         model_options=options,
         tls=_tls_from_args(args),

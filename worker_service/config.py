@@ -14,6 +14,17 @@ DEFAULT_TOMBSTONE_TTL_S = 24 * 3600.0
 #: Most closed-session tombstones kept by default.
 DEFAULT_MAX_CLOSED_SESSIONS = 65_536
 
+#: Most sessions a worker holds at once by default. Finite so that no caller can make a worker
+#: hold state without bound; 1024 is four session replicas' worth at their default of 256
+#: sessions each (a worker can take over its peers' sessions after they fail), and at
+#: ``max_batch`` 256 it already means each session is stepped only every fourth step, about as
+#: many as one worker can keep real-time. Per session the worker keeps model state plus up to
+#: ``max_queued_frames`` of queued input (~2 MiB at the default), so this also bounds memory.
+DEFAULT_MAX_SESSIONS = 1024
+
+#: How long an attached session may wait for its first submission when its owner has no Run stream.
+DEFAULT_ATTACH_LEASE_S = 30.0
+
 
 def _worker_id() -> str:
     return "worker-" + uuid.uuid4().hex[:8]
@@ -35,8 +46,9 @@ class WorkerConfig:
     """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
     max_batch: int = 256
     """Most requests stepped in one model step; more are served round-robin."""
-    max_sessions: int = 0
-    """Most sessions holding model state at once (0 = unbounded); Attach beyond it is refused."""
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    """Most sessions attached at once (0 = unbounded); an Attach beyond it is refused with
+    RESOURCE_EXHAUSTED ``capacity_exhausted`` (retryable)."""
     max_queued_frames: int = 1024
     """Per-request input queue bound, in frames (~33 s at 32 ms); APPENDs beyond it get ``capacity``."""
     max_output_steps: int = 2048
@@ -46,6 +58,10 @@ class WorkerConfig:
     orphan_grace_s: float = 30.0
     """How long an owner's sessions keep their model state after its last Run stream ended; an
     owner that has not reconnected by then (crashed, cut off) has its sessions released."""
+    attach_lease_s: float = DEFAULT_ATTACH_LEASE_S
+    """A session that gets no submission or abort within this time of its Attach is released
+    when its owner has no Run stream then (nobody would ever release it otherwise; an owner that
+    has one knows what it holds and reconciles it whenever a stream opens); 0 = never."""
     drain_grace_s: float = 5.0
     """On SIGTERM: how long in-flight replies may run on before the streams are ended."""
     torch_threads: int = 0
@@ -83,6 +99,8 @@ class WorkerConfig:
             raise ValueError("max_queued_frames must be >= 1")
         if self.orphan_grace_s < 0:
             raise ValueError("orphan_grace_s must be >= 0")
+        if self.attach_lease_s < 0:
+            raise ValueError("attach_lease_s must be >= 0")
         if self.max_output_steps < 1:
             raise ValueError("max_output_steps must be >= 1")
         if not self.tombstone_ttl_s > 0:

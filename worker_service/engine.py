@@ -133,6 +133,10 @@ class OwnerStep:
     audio: list[common_pb2.AudioPayload] = field(default_factory=list)
     """Sparse: aligned to ``audio_ids``; dense: aligned to ``batch``."""
     updates: list[Update] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    """Reconciliation (``step`` 0, first on a new Run stream): sessions the worker held for the
+    owner when the stream opened; sent as ``held_sessions`` with their fences as they are when
+    sent (those released meanwhile are left out)."""
 
 
 Sink = Callable[[list[tuple[str, OwnerStep]]], None]
@@ -220,6 +224,12 @@ class Engine:
     @property
     def steps(self) -> int:
         return self._step_no
+
+    @property
+    def active_requests(self) -> int:
+        """Requests holding model state (a racy snapshot of the engine thread's table; what
+        ``duplex_worker_active_requests`` shows after the engine's next iteration)."""
+        return len(self._requests)
 
     def stop(self, timeout: float | None = 10.0) -> None:
         with self._cond:

@@ -210,8 +210,14 @@ class FenceTable:
         cur = self._sessions.get(session_id)
         return cur.owner if cur is not None and cur.live else None
 
+    def current(self, session_id: str) -> tuple[int, str] | None:
+        """``(epoch, owner)`` of a live session (None when it is not attached)."""
+        cur = self._sessions.get(session_id)
+        return (cur.epoch, cur.owner) if cur is not None and cur.live else None
+
     def live_sessions_of(self, owner: str) -> list[str]:
-        """Sessions currently attached to ``owner`` (a scan: only for the rare orphan reap)."""
+        """Sessions currently attached to ``owner`` (a scan: only for the rare orphan reap and a
+        new Run stream's reconciliation)."""
         return [sid for sid, f in self._sessions.items() if f.live and f.owner == owner]
 
     def is_current(self, session_id: str, epoch: int, owner: str) -> bool:

@@ -52,7 +52,14 @@ OWNER_CUTOFFS: Final = Counter(
 )
 ORPHANS_RELEASED: Final = Counter(
     "duplex_worker_orphaned_sessions_released",
-    "Sessions released because their owner did not reconnect within the orphan grace.",
+    "Sessions released because nobody would: their owner did not reconnect within the orphan "
+    "grace, or (also counted in duplex_worker_attach_leases_expired) they were attached by an "
+    "owner with no Run stream and not used within the attach lease.",
+)
+ATTACH_LEASES_EXPIRED: Final = Counter(
+    "duplex_worker_attach_leases_expired",
+    "Sessions released because they were attached by an owner that had no Run stream and got no "
+    "submission within --attach-lease-s.",
 )
 TOMBSTONES_EVICTED: Final = Counter(
     "duplex_worker_closed_tombstones_evicted",

@@ -12,6 +12,7 @@ the device, so model code needs no locks. ``parse_options`` is pure and runs on 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from typing import Final, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 import torch
+from google.protobuf import struct_pb2
 
 from duplex.audio import PcmFormat
 from duplex.errors import BadEventError, DuplexError, ErrorCode, WorkerErrorCode
@@ -201,14 +203,47 @@ class InputBuffer:
         self.start = self.end
 
 
+def options_from_struct(params: struct_pb2.Struct) -> dict[str, object]:
+    """A submission's ``params`` as plain values, refusing what no option can be: a Struct
+    number may carry NaN or an infinity (which ``json_format.MessageToDict`` cannot even
+    convert), so every number is checked finite here, nested ones included (``bad_submission``).
+    The depth is bounded by protobuf's own parse recursion limit."""
+    return {key: _plain(value, key) for key, value in params.fields.items()}
+
+
+def _plain(value: struct_pb2.Value, key: str) -> object:
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        number = value.number_value
+        if not math.isfinite(number):
+            raise bad_submission(f"option {key[:64]!r} must be a finite number")
+        return number
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return {k: _plain(v, key) for k, v in value.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_plain(v, key) for v in value.list_value.values]
+    return None  # null_value, or a Value with nothing set
+
+
 def float_option(params: Mapping[str, object], key: str, default: float, lo: float, hi: float) -> float:
-    """Read a numeric option in ``[lo, hi]`` (Struct numbers arrive as float)."""
+    """Read a finite numeric option in ``[lo, hi]`` (Struct numbers arrive as float); NaN, an
+    infinity, a bool or anything not a number is ``bad_submission``."""
     value = params.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_submission(f"option {key!r} must be a number")
-    if not lo <= float(value) <= hi:
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        raise bad_submission(f"option {key!r} must be in [{lo}, {hi}]") from None
+    if not math.isfinite(number):
+        raise bad_submission(f"option {key!r} must be a finite number")
+    if not lo <= number <= hi:
         raise bad_submission(f"option {key!r} must be in [{lo}, {hi}]")
-    return float(value)
+    return number
 
 
 def bool_option(params: Mapping[str, object], key: str, default: bool) -> bool:
@@ -221,4 +256,7 @@ def bool_option(params: Mapping[str, object], key: str, default: bool) -> bool:
 def check_option_keys(params: Mapping[str, object], known: frozenset[str]) -> None:
     unknown = sorted(set(params) - known)
     if unknown:
-        raise bad_submission(f"unknown option(s) {unknown}; known: {sorted(known)}")
+        # Echoed to the caller: a few of them, each cut short, not whatever it sent.
+        shown = [k[:64] for k in unknown[:8]]
+        more = f" and {len(unknown) - len(shown)} more" if len(unknown) > len(shown) else ""
+        raise bad_submission(f"unknown option(s) {shown}{more}; known: {sorted(known)}")

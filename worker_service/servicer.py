@@ -10,6 +10,11 @@ Who is calling: with mutual TLS an owner is ``IDENTITY/owner``, the verified cer
 identity with the caller's own owner id scoped under it (``owner_key``), for Attach, Run and every
 command, so no identity can hold, replace or fence another's owner. Every id is bounded
 (``MAX_ID_LENGTH``) and logged escaped (``%r``): a caller's id cannot forge a log line.
+
+State nobody owns does not stay: a new Run stream first lists what the worker holds for its
+owner (``StepOutput.held_sessions``), which the owner reconciles by releasing what it no longer
+has; an owner that does not come back within the orphan grace has its sessions reaped; and an
+Attach that nobody uses while its owner has no Run stream expires (``attach_lease_s``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf import json_format
 
 from duplex.errors import (
     BadRequestError,
@@ -47,6 +51,7 @@ from worker_service.engine import (
     AbortOlder,
     Engine,
     EngineCommand,
+    EngineDeadError,
     Enqueue,
     OwnerStep,
     QueueCounter,
@@ -55,8 +60,14 @@ from worker_service.engine import (
     Work,
 )
 from worker_service.fencing import MAX_ID_LENGTH, FenceTable
-from worker_service.metrics import FENCED, ORPHANS_RELEASED, REQUEST_ERRORS, SUBMISSIONS
-from worker_service.model import StepModel, bad_submission
+from worker_service.metrics import (
+    ATTACH_LEASES_EXPIRED,
+    FENCED,
+    ORPHANS_RELEASED,
+    REQUEST_ERRORS,
+    SUBMISSIONS,
+)
+from worker_service.model import StepModel, bad_submission, options_from_struct
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +76,10 @@ _KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "
 
 #: Separates a certificate identity from the owner id scoped under it (``IDENTITY/owner``).
 OWNER_SEPARATOR = "/"
+
+#: Most sessions listed in one reconciliation StepOutput (a longer list is split): each entry is
+#: a fence of at most ~140 bytes, so one message stays far below the 16 MiB message limit.
+HELD_PER_MESSAGE = 4096
 
 _Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -118,6 +133,9 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         # The request id each session's owner uses (to tell a displaced owner about a takeover).
         self._request_ids: dict[str, str] = {}
         self._reapers: dict[str, asyncio.Task[None]] = {}
+        # Sessions attached and not yet claimed by a submission or abort: released when their
+        # owner still has no Run stream once the lease is up (``attach_lease_s``).
+        self._leases: dict[str, asyncio.TimerHandle] = {}
 
     @property
     def fences(self) -> FenceTable:
@@ -188,6 +206,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             )
             if admission.bumped:
                 self._engine.submit([AbortOlder(sid, admission.epoch)])
+            self._lease(sid, owner)
             if previous is not None and previous != owner:
                 logger.info(
                     "session %r taken over by owner %r from owner %r at epoch %d",
@@ -235,9 +254,19 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         logger.info("owner %r opened a Run stream", owner)
         reaper = self._reapers.pop(owner, None)
         if reaper is not None:
-            reaper.cancel()  # the owner is back within its grace: its sessions live on
+            reaper.cancel()  # the owner is back within its grace: it reconciles what it holds
         channel = self._hub.open(owner)
-        reader = asyncio.create_task(self._read(owner, first, request_iterator, channel))
+        # Reconciliation: the stream's first StepOutputs list the sessions held for the owner,
+        # so that it releases those it no longer has (closed or moved while it was away; its
+        # releases for them may never have been sent). Queued before anything else; the first
+        # command (which may carry such releases) is applied before the list is converted, and
+        # the conversion leaves out whatever is no longer the owner's by then.
+        held = self._fences.live_sessions_of(owner)
+        for i in range(0, len(held), HELD_PER_MESSAGE):
+            channel.push(OwnerStep(step=0, held=held[i : i + HELD_PER_MESSAGE]))
+        reader: asyncio.Task[None] | None = None
+        if self._apply(owner, first, channel):
+            reader = asyncio.create_task(self._read(owner, first.owner, request_iterator, channel))
         try:
             while True:
                 item = await channel.get()
@@ -249,7 +278,8 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         except DuplexError as err:
             await abort(context, err)
         finally:
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             self._hub.discard(channel)
             logger.info("owner %r: Run stream ended", owner)
             if not self._hub.has(owner) and owner not in self._reapers:
@@ -275,41 +305,106 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             len(orphans),
         )
         ORPHANS_RELEASED.inc(len(orphans))
-        self._engine.submit([ReleaseSession(sid) for sid in orphans])
-        for sid in orphans:
+        self._release_sessions(orphans)
+
+    def _release_sessions(self, session_ids: list[str]) -> None:
+        """Free the sessions' model state and mark them released (their fences are kept)."""
+        try:
+            self._engine.submit([ReleaseSession(sid) for sid in session_ids])
+        except EngineDeadError:
+            pass  # nothing to free: the engine and its state are gone
+        for sid in session_ids:
             self._fences.release(sid)
-            self._counters.pop(sid, None)
-            self._request_ids.pop(sid, None)
+            self._forget(sid)
+
+    def _forget(self, session_id: str) -> None:
+        """Drop the servicer's own bookkeeping of a session that is no longer live."""
+        self._counters.pop(session_id, None)
+        self._request_ids.pop(session_id, None)
+        self._claim(session_id)
+
+    # -- attach leases ---------------------------------------------------------------------------
+
+    def _lease(self, session_id: str, owner: str) -> None:
+        """(Re)start the session's attach lease (``attach_lease_s``)."""
+        lease_s = self._config.attach_lease_s
+        if not lease_s:
+            return
+        self._claim(session_id)
+        loop = asyncio.get_running_loop()
+        self._leases[session_id] = loop.call_later(lease_s, self._lease_expired, session_id, owner)
+
+    def _claim(self, session_id: str) -> None:
+        """The session's owner used it (or it is gone): its lease ends."""
+        handle = self._leases.pop(session_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _lease_expired(self, session_id: str, owner: str) -> None:
+        """Nothing claimed the attachment within the lease. An owner with a Run stream knows
+        what it holds (and reconciles it whenever a stream opens); one without a stream may
+        never open one, and nothing else would release the session: it is released now."""
+        self._leases.pop(session_id, None)
+        if self._fences.owner_of(session_id) != owner or self._hub.has(owner):
+            return
+        logger.warning(
+            "session %r attached by owner %r unclaimed for %.1f s and the owner has no Run "
+            "stream: releasing it",
+            session_id,
+            owner,
+            self._config.attach_lease_s,
+        )
+        ATTACH_LEASES_EXPIRED.inc()
+        ORPHANS_RELEASED.inc()
+        self._release_sessions([session_id])
 
     def cancel_reapers(self) -> None:
-        """Stop pending orphan reaps (server shutdown)."""
+        """Stop pending orphan reaps and attach leases (server shutdown)."""
         for task in self._reapers.values():
             task.cancel()
         self._reapers.clear()
+        for handle in self._leases.values():
+            handle.cancel()
+        self._leases.clear()
 
     async def _read(
         self,
         owner: str,
-        first: worker_pb2.WorkerCommand,
+        owner_id: str,
         commands: AsyncIterator[worker_pb2.WorkerCommand],
         channel: OwnerChannel,
     ) -> None:
+        """Apply the stream's commands after its first (``Run`` applied that one)."""
         try:
-            self.handle_command(owner, first)
             async for cmd in commands:
                 if channel.closed:
                     return
-                if cmd.owner and cmd.owner != first.owner:
+                if cmd.owner and cmd.owner != owner_id:
                     raise BadRequestError(ErrorCode.INVALID_EVENT, "owner changed within a Run stream")
-                self.handle_command(owner, cmd)
+                if not self._apply(owner, cmd, channel):
+                    return
             channel.close()  # half-close: the stream ends once what is queued is sent
         except asyncio.CancelledError:
             raise
         except DuplexError as err:
             channel.close(err)
         except Exception:
+            logger.exception("reading the Run stream failed")
+            channel.close(DuplexError(ErrorCode.INTERNAL, "internal error"))
+
+    def _apply(self, owner: str, cmd: worker_pb2.WorkerCommand, channel: OwnerChannel) -> bool:
+        """``handle_command``; a failure of the stream as a whole (the worker stops serving, a
+        bug) closes the channel with its error and returns False."""
+        try:
+            self.handle_command(owner, cmd)
+        except DuplexError as err:
+            channel.close(err)
+            return False
+        except Exception:
             logger.exception("Run command handling failed")
             channel.close(DuplexError(ErrorCode.INTERNAL, "internal error"))
+            return False
+        return True
 
     def handle_command(self, owner: str, cmd: worker_pb2.WorkerCommand) -> None:
         """Fence and validate one command, queue its work on the engine, answer rejections."""
@@ -328,6 +423,8 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                 continue
             if admission.bumped:
                 engine_cmds.append(AbortOlder(ab.fence.session_id, admission.epoch))
+            if self._leases:
+                self._claim(ab.fence.session_id)
         for sub in cmd.submit:
             SUBMISSIONS.labels(kind=_KIND_LABELS.get(sub.kind, "unknown")).inc()
             try:
@@ -350,6 +447,8 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                 engine_cmds.append(AbortOlder(sub.fence.session_id, admission.epoch))
             counter.submitted += work.units
             self._request_ids[sub.fence.session_id] = sub.request_id
+            if self._leases:
+                self._claim(sub.fence.session_id)
             engine_cmds.append(Enqueue(work, counter))
         for rel in cmd.release:
             sid = rel.fence.session_id
@@ -366,8 +465,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                 continue  # a release that is not the session's current owner's is ignored (counted)
             if live:
                 engine_cmds.append(ReleaseSession(sid))
-            self._counters.pop(sid, None)
-            self._request_ids.pop(sid, None)
+            self._forget(sid)
         self._engine.submit(engine_cmds)
         if rejected:
             self._hub.send_updates(owner, rejected)
@@ -381,7 +479,16 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             raise bad_submission(f"unknown submission kind {int(sub.kind)}")
         options = None
         if sub.HasField("params"):
-            options = model.parse_options(json_format.MessageToDict(sub.params))
+            params = options_from_struct(sub.params)  # non-finite numbers: bad_submission
+            try:
+                options = model.parse_options(params)
+            except DuplexError:
+                raise
+            except (TypeError, ValueError, OverflowError, ArithmeticError) as exc:
+                # A model's parser tripping over a value of the wrong type is the caller's
+                # bad submission, not a failure of the owner's whole stream.
+                logger.info("submission params refused by the model: %r", exc)
+                raise bad_submission("invalid params") from exc
         work = Work(
             kind=sub.kind,
             fence=Fence.from_proto(sub.fence),
@@ -403,6 +510,8 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
 
     def _to_proto(self, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:
         """Convert one owner's step, stripping output of fences the session has moved past."""
+        if item.held:
+            return self._held_proto(owner, item)
         is_current = self._fences.is_current
         if item.step:
             stale = {rid for rid, f in item.batch if not is_current(f.session_id, f.epoch, owner)}
@@ -436,6 +545,16 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             ru.response_started = upd.response_started
             ru.response_finished = upd.response_finished
         return out
+
+    def _held_proto(self, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:
+        """A reconciliation list: the listed sessions still held for ``owner``, at their fences
+        now (a session released or taken over since the list was made is left out)."""
+        out = worker_pb2.StepOutput(step=0)
+        for sid in item.held:
+            cur = self._fences.current(sid)
+            if cur is not None and cur[1] == owner:
+                out.held_sessions.add(session_id=sid, epoch=cur[0])
+        return out if out.held_sessions else None
 
 
 def _strip(item: OwnerStep, stale: set[str], is_current: Any) -> OwnerStep:

@@ -602,6 +602,7 @@ class StepOutput(_message.Message):
     BATCH_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     UPDATES_FIELD_NUMBER: _builtins.int
+    HELD_SESSIONS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """The worker's step counter (from 1)."""
     @_builtins.property
@@ -616,6 +617,17 @@ class StepOutput(_message.Message):
     def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestUpdate]:
         """Per-request news."""
 
+    @_builtins.property
+    def held_sessions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Fence]:
+        """Reconciliation, only in the first StepOutput(step=0) of a Run stream
+        (split over the first few when there are many): every session this
+        worker holds for the stream's owner when the stream opened (after the
+        releases of its first command), with its current fence. The owner
+        releases, echoing that fence, each one it no longer holds on this stream
+        (closed or moved while it was disconnected), so no model state outlives
+        a lost link. Empty (and no such StepOutput) when the owner holds none.
+        """
+
     def __init__(
         self,
         *,
@@ -623,10 +635,11 @@ class StepOutput(_message.Message):
         batch: _abc.Iterable[Global___BatchEntry] | None = ...,
         outputs: Global___MultimodalOutputs | None = ...,
         updates: _abc.Iterable[Global___RequestUpdate] | None = ...,
+        held_sessions: _abc.Iterable[_common_pb2.Fence] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "outputs", b"outputs", "step", b"step", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "held_sessions", b"held_sessions", "outputs", b"outputs", "step", b"step", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
