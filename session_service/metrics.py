@@ -49,6 +49,21 @@ MAILBOX_FULL: Final = Counter(
     "duplex_session_mailbox_full", "Internal events skipped because a session mailbox was full."
 )
 
+RELEASES_KEPT: Final = Counter(
+    "duplex_session_worker_releases_kept",
+    "Releases for a worker whose link was down, kept to be sent first on its next stream.",
+)
+RELEASES_DROPPED: Final = Counter(
+    "duplex_session_worker_releases_dropped",
+    "Releases for a worker whose link was down that were not kept (too many waiting); the "
+    "worker's list of held sessions on the next stream releases those sessions instead.",
+)
+RECONCILED: Final = Counter(
+    "duplex_session_reconciled_releases",
+    "Sessions a worker listed as held for this replica on a new Run stream that this replica no "
+    "longer held on it (closed or moved while the link was down), released there.",
+)
+
 # Known label values exist from the start, so rate() alerts see a zero series (the drop
 # reasons are created with their table, session_service.worker_output.DropReason).
 for _stage in ("ack", "first_audio"):

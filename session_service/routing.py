@@ -21,21 +21,13 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from prometheus_client import Counter
-
 from duplex.v1 import common_pb2, worker_pb2
-from session_service.metrics import DROPPED
+from session_service.metrics import DROPPED, RECONCILED
 from session_service.runner import SessionRunner, WorkerHandle
 from session_service.sparse_router import route_step
 from session_service.worker_output import DropReason
 
 log = logging.getLogger(__name__)
-
-RECONCILED = Counter(
-    "duplex_session_reconciled_releases",
-    "Sessions a worker listed as held for this replica on a new Run stream that this replica no "
-    "longer held on it (closed or moved while the link was down), released there.",
-)
 
 
 class ReconcilingLink(WorkerHandle, Protocol):

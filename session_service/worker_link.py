@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import Counter as MetricCounter
 
 from duplex.clock import MONOTONIC, Clock
 from duplex.errors import ErrorCode, UnavailableError, from_rpc_error
@@ -47,7 +46,7 @@ from duplex.serving import CHANNEL_OPTIONS
 from duplex.tls import ChannelCredentials
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from session_service.liveness import Liveness, WorkerStalledError
-from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS
+from session_service.metrics import RELEASES_DROPPED, RELEASES_KEPT, WORKER_COMMAND_SIZE, WORKER_STALLS
 from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
 
 log = logging.getLogger(__name__)
@@ -65,17 +64,6 @@ MAX_KEPT_RELEASES = 4096
 
 #: What a client is told when the session's worker cannot be reached; the details are logged.
 UNAVAILABLE_MESSAGE = "the session's worker is unavailable"
-
-RELEASES_DROPPED = MetricCounter(
-    "duplex_session_worker_releases_dropped",
-    "Releases for a worker whose link was down that were not kept (more than "
-    f"{MAX_KEPT_RELEASES} waiting); the worker's list of held sessions on the next stream "
-    "releases those sessions instead.",
-)
-RELEASES_KEPT = MetricCounter(
-    "duplex_session_worker_releases_kept",
-    "Releases for a worker whose link was down, kept to be sent first on its next stream.",
-)
 
 
 def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
