@@ -487,7 +487,7 @@ class SessionRunner:
     def _on_update(self, up: session_pb2.SessionUpdate) -> None:
         extra = struct_to_dict(up.extra_body)
         self._check_model_key(extra)
-        new = settings_from_proto(up.config, self.settings, require_input=False)
+        new = settings_from_proto(up.config, self.settings, require_input=False, capabilities=self._caps)
         if new.instructions != self.settings.instructions and self.state.context_locked:
             raise BadEventError(
                 ErrorCode.CONTEXT_LOCKED, "instructions cannot change after the first response"

@@ -261,7 +261,11 @@ class SessionManager:
             try:
                 defaults = self._plugin.default_settings()
                 settings = settings_from_proto(
-                    msg.config, None, require_input=True, default_turn=defaults.turn_detection
+                    msg.config,
+                    None,
+                    require_input=True,
+                    default_turn=defaults.turn_detection,
+                    capabilities=self.capabilities,
                 )
                 self._check_turn_detection(settings)
                 extra = struct_to_dict(msg.extra_body)

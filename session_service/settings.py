@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from google.protobuf import json_format, struct_pb2
 
-from duplex.audio import PcmFormat
+from duplex.audio import PCM16K_MONO, PcmFormat
 from duplex.errors import BadEventError, ErrorCode
 from duplex.v1 import session_pb2
-from session_service.plugin import SessionSettings, TurnDetection
+from session_service.plugin import Capabilities, SessionSettings, TurnDetection
 
 #: Bounds of ``turn_detection.silence_ms`` (checked here so a bad value fails the open or
 #: update with a clear code instead of a worker rejection later).
@@ -33,9 +33,11 @@ def settings_from_proto(
     *,
     require_input: bool,
     default_turn: TurnDetection | None = None,
+    capabilities: Capabilities | None = None,
 ) -> SessionSettings:
     """Domain settings from a wire config; unset fields keep ``base`` (or, for a new session,
-    ``default_turn``: the plugin's turn detection defaults). Raises BadEventError."""
+    ``default_turn``: the plugin's turn detection defaults). ``capabilities`` (the plugin's)
+    give the output's default encoding. Raises BadEventError."""
     if cfg.HasField("input_format"):
         input_format = PcmFormat.from_proto(cfg.input_format)
     elif base is not None and not require_input:
@@ -47,8 +49,9 @@ def settings_from_proto(
     elif base is not None and not require_input:
         output_format = base.output_format
     else:
-        # Default: the input's rate with the input's encoding, mono.
-        output_format = PcmFormat(input_format.encoding, input_format.sample_rate_hz, 1)
+        # Default (session.proto): the input's rate with the model's encoding, mono.
+        model = capabilities.output_format if capabilities is not None else PCM16K_MONO
+        output_format = PcmFormat(model.encoding, input_format.sample_rate_hz, 1)
     if cfg.HasField("turn_detection"):
         td = cfg.turn_detection
         if td.silence_ms and not MIN_SILENCE_MS <= td.silence_ms <= MAX_SILENCE_MS:

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from duplex.audio import F32LE, PCM16K_MONO, PcmFormat
+from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat
 from duplex.errors import (
     MAX_ECHO_CHARS,
     MAX_STATUS_MESSAGE_BYTES,
@@ -34,12 +34,16 @@ from duplex.v1 import session_pb2
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import Capabilities, DuplexModelPlugin
 from session_service.plugins.parrot import ParrotPlugin
+from session_service.plugins.synthetic import SyntheticPlugin
 from session_service.resume import ResumeKeys
 from session_service.routing import SessionRegistry
 from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
 from session_service.sessions import SessionManager
+from session_service.settings import (
+    settings_from_proto,
+)
 from tests.fakes import ManualClock
-from tests.session_helpers import Conversation, FakeLink, InProcessStack
+from tests.session_helpers import Conversation, FakeLink, InProcessStack, drain
 
 F32_48K_STEREO = PcmFormat(F32LE, 48000, 2)
 FRAME = b"\x10\x00" * 512
@@ -103,6 +107,22 @@ def test_a_status_message_always_fits_in_the_trailers() -> None:
 PARROT_CAPS = ParrotPlugin().capabilities(max_sessions=1)
 
 
+def test_the_output_defaults_to_the_input_rate_with_the_models_encoding_mono() -> None:
+    for plugin in (ParrotPlugin(), SyntheticPlugin()):
+        caps = plugin.capabilities(max_sessions=1)
+        cfg = _cfg(input_format=F32_48K_STEREO.to_proto())
+        s = settings_from_proto(cfg, None, require_input=True, capabilities=caps)
+        assert (
+            s.output_format == PcmFormat(caps.output_format.encoding, 48000, 1) == PcmFormat(S16LE, 48000, 1)
+        )
+        # An explicit output format is kept.
+        cfg.output_format.CopyFrom(F32_48K_STEREO.to_proto())
+        assert (
+            settings_from_proto(cfg, None, require_input=True, capabilities=caps).output_format
+            == F32_48K_STEREO
+        )
+
+
 # ---- opens (SessionManager): call-ending INVALID_ARGUMENT ------------------------------------
 
 
@@ -157,6 +177,15 @@ async def test_a_bad_open_ends_the_call_with_its_code_and_a_short_message(name: 
     assert err.value.status == grpc.StatusCode.INVALID_ARGUMENT
     assert len(err.value.message) < SHORT and err.value.message.isascii(), err.value.message
     assert len(manager) == 0
+
+
+async def test_an_f32_session_gets_the_models_encoding_out_by_default() -> None:
+    manager = _manager()
+    runner = await manager.open(_open(input_format=F32_48K_STEREO.to_proto()))
+    opened = drain(runner)[0].opened
+    assert PcmFormat.from_proto(opened.config.output_format) == PcmFormat(S16LE, 48000, 1)
+    assert opened.capabilities.output_format.encoding == S16LE
+    await manager.drain(0)
 
 
 class _TextParrot(ParrotPlugin):
