@@ -7,10 +7,12 @@ update into an error event.
 
 from __future__ import annotations
 
-from google.protobuf import json_format, struct_pb2
+import math
+
+from google.protobuf import struct_pb2
 
 from duplex.audio import PCM16K_MONO, PcmFormat
-from duplex.errors import BadEventError, ErrorCode
+from duplex.errors import BadEventError, ErrorCode, echo
 from duplex.v1 import session_pb2
 from session_service.plugin import Capabilities, SessionSettings, TurnDetection
 
@@ -22,6 +24,11 @@ MAX_SILENCE_MS = 10_000
 #: Largest ``extra_body`` accepted. Checked on the wire size (computed in C) before the
 #: pure-Python conversion, which a huge Struct would otherwise run on the event loop.
 MAX_EXTRA_BODY_BYTES = 16 * 1024
+
+#: Deepest nesting of objects and lists in ``extra_body`` (the body itself is level 1). The
+#: wire already refuses about 32 levels (protobuf's limit of 100 nested messages; a Struct
+#: level takes three); no model option needs more than a few.
+MAX_EXTRA_BODY_DEPTH = 16
 
 #: Output modalities a client may ask for.
 MODALITIES = ("audio", "text")
@@ -77,12 +84,50 @@ def settings_from_proto(
 
 
 def struct_to_dict(s: struct_pb2.Struct) -> dict[str, object]:
-    """A client Struct as a dict; raises ``invalid_runtime_config`` when it is too large."""
+    """A client Struct as a dict of plain JSON values (numbers as floats); raises
+    ``invalid_runtime_config`` when it is too large, nested too deeply or holds a number that is
+    not finite (NaN, Infinity: nothing downstream can carry them, JSON included)."""
     size = s.ByteSize()
     if size > MAX_EXTRA_BODY_BYTES:
         raise BadEventError(
             ErrorCode.INVALID_RUNTIME_CONFIG,
             f"extra_body is {size} bytes; the limit is {MAX_EXTRA_BODY_BYTES}",
         )
-    out: dict[str, object] = json_format.MessageToDict(s)
-    return out
+    return _struct(s, 1, "extra_body")
+
+
+def _struct(s: struct_pb2.Struct, depth: int, path: str) -> dict[str, object]:
+    if depth > MAX_EXTRA_BODY_DEPTH:
+        raise _too_deep()
+    return {key: _value(v, depth, f"{path}.{key}" if depth == 1 else path) for key, v in s.fields.items()}
+
+
+def _value(v: struct_pb2.Value, depth: int, path: str) -> object:
+    """One Struct value; ``path`` names the top-level key it is under (for messages)."""
+    kind = v.WhichOneof("kind")
+    if kind == "number_value":
+        x = v.number_value
+        if not math.isfinite(x):
+            raise BadEventError(
+                ErrorCode.INVALID_RUNTIME_CONFIG,
+                f"{echo(path)} holds {x}: extra_body numbers must be finite",
+            )
+        return x
+    if kind == "string_value":
+        return v.string_value
+    if kind == "bool_value":
+        return v.bool_value
+    if kind == "struct_value":
+        return _struct(v.struct_value, depth + 1, path)
+    if kind == "list_value":
+        if depth + 1 > MAX_EXTRA_BODY_DEPTH:
+            raise _too_deep()
+        return [_value(x, depth + 1, path) for x in v.list_value.values]
+    return None  # null_value, or a Value with nothing set (JSON null, as json_format reads it)
+
+
+def _too_deep() -> BadEventError:
+    return BadEventError(
+        ErrorCode.INVALID_RUNTIME_CONFIG,
+        f"extra_body is nested more than {MAX_EXTRA_BODY_DEPTH} levels deep",
+    )

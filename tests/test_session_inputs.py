@@ -18,12 +18,13 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat
 from duplex.errors import (
     MAX_ECHO_CHARS,
     MAX_STATUS_MESSAGE_BYTES,
+    BadEventError,
     BadRequestError,
     DuplexError,
     ErrorCode,
@@ -40,7 +41,9 @@ from session_service.routing import SessionRegistry
 from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
 from session_service.sessions import SessionManager
 from session_service.settings import (
+    MAX_EXTRA_BODY_DEPTH,
     settings_from_proto,
+    struct_to_dict,
 )
 from tests.fakes import ManualClock
 from tests.session_helpers import Conversation, FakeLink, InProcessStack, drain
@@ -101,6 +104,42 @@ def test_a_status_message_always_fits_in_the_trailers() -> None:
 # ---- extra_body -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("x", NON_FINITE)
+@pytest.mark.parametrize("where", ["top", "list", "object"])
+def test_non_finite_numbers_in_extra_body_are_invalid_runtime_config(x: float, where: str) -> None:
+    body: dict[str, Any] = {
+        "top": {"pitch_semitones": x},
+        "list": {"opts": [1, [2, x]]},
+        "object": {"opts": {"inner": {"v": x}}},
+    }[where]
+    with pytest.raises(BadEventError) as err:
+        struct_to_dict(_struct(body))
+    assert err.value.code == ErrorCode.INVALID_RUNTIME_CONFIG
+    assert "finite" in err.value.message
+
+
+def test_deep_extra_body_is_invalid_runtime_config_without_recursing_away() -> None:
+    ok = _deep(MAX_EXTRA_BODY_DEPTH)
+    assert struct_to_dict(ok) == json_format.MessageToDict(ok)
+    lists = struct_pb2.Struct()
+    inner = lists.get_or_create_list("l")
+    for _ in range(MAX_EXTRA_BODY_DEPTH):  # a list inside a list ... is a level each
+        inner = inner.add_list()
+    # Deeper than the wire allows (about 32) and than Python's recursion limit: built here.
+    for s in (_deep(MAX_EXTRA_BODY_DEPTH + 1), lists, _deep(1100)):
+        with pytest.raises(BadEventError) as err:
+            struct_to_dict(s)
+        assert err.value.code == ErrorCode.INVALID_RUNTIME_CONFIG
+        assert "nested" in err.value.message
+
+
+def test_extra_body_converts_as_json_format_does() -> None:
+    body = {"n": 7, "f": -1.5, "s": "x", "b": True, "z": None, "l": [1, "a", {"k": [False]}], "o": {"p": {}}}
+    s = _struct(body)
+    assert struct_to_dict(s) == json_format.MessageToDict(s) == body
+    assert struct_to_dict(struct_pb2.Struct()) == {}
+
+
 # ---- modalities, formats, turn detection, instructions (wire settings) ---------------------------
 
 
@@ -156,6 +195,10 @@ def _open(
 
 
 BAD_OPENS: dict[str, tuple[session_pb2.SessionOpen, str]] = {
+    "NaN": (_open(extra=_struct({"pitch_semitones": math.nan})), ErrorCode.INVALID_RUNTIME_CONFIG),
+    "Infinity": (_open(extra=_struct({"pitch_semitones": math.inf})), ErrorCode.INVALID_RUNTIME_CONFIG),
+    "-Infinity": (_open(extra=_struct({"silence_ms": -math.inf})), ErrorCode.INVALID_RUNTIME_CONFIG),
+    "deep": (_open(extra=_deep(MAX_EXTRA_BODY_DEPTH + 1)), ErrorCode.INVALID_RUNTIME_CONFIG),
     "wrong type": (_open(extra=_struct({"pitch_semitones": {"a": [1]}})), ErrorCode.INVALID_RUNTIME_CONFIG),
     "null": (_open(extra=_struct({"silence_ms": None})), ErrorCode.INVALID_RUNTIME_CONFIG),
     "huge key": (_open(extra=_struct({"k" * 15_000: 1})), ErrorCode.INVALID_RUNTIME_CONFIG),
@@ -251,9 +294,50 @@ def _append(seq: int, pcm: bytes = FRAME, eid: str = "") -> session_pb2.ClientEv
 
 
 BAD_UPDATES: dict[str, tuple[session_pb2.ClientEvent, str]] = {
+    "NaN": (_update("u", extra=_struct({"pitch_semitones": math.nan})), ErrorCode.INVALID_RUNTIME_CONFIG),
+    "Infinity": (_update("u", extra=_struct({"silence_ms": math.inf})), ErrorCode.INVALID_RUNTIME_CONFIG),
+    "NaN in a list": (_update("u", extra=_struct({"x": [1, math.nan]})), ErrorCode.INVALID_RUNTIME_CONFIG),
+    "deep": (_update("u", extra=_deep(MAX_EXTRA_BODY_DEPTH + 1)), ErrorCode.INVALID_RUNTIME_CONFIG),
     "huge key": (_update("u", extra=_struct({"k" * 15_000: 1})), ErrorCode.INVALID_RUNTIME_CONFIG),
     "wrong type": (_update("u", extra=_struct({"pitch_semitones": "5"})), ErrorCode.INVALID_RUNTIME_CONFIG),
+    "silence out of range": (
+        _update("u", turn_detection=session_pb2.TurnDetection(silence_ms=2**32 - 1)),
+        ErrorCode.INVALID_CONFIG,
+    ),
 }
+
+
+@pytest.mark.parametrize("name", list(BAD_UPDATES))
+async def test_a_bad_update_is_an_error_event_and_changes_nothing(name: str) -> None:
+    event, code = BAD_UPDATES[name]
+    r = _runner()
+    drain(r)
+    before = (r.settings, dict(r.runtime_config))
+    await r.post(event)
+    await r.post(_append(1, eid="good"))
+    await _settle()
+    evs = drain(r)
+    assert [e.WhichOneof("event") for e in evs] == ["error", "input_ack"], evs
+    assert (evs[0].error.code, evs[0].error.event_id) == (code, "u")
+    assert len(evs[0].error.message) < SHORT
+    assert (r.settings, dict(r.runtime_config)) == before
+    r.close("test")
+
+
+@pytest.mark.parametrize("x", NON_FINITE)
+async def test_response_create_with_non_finite_extra_body_is_invalid_runtime_config(x: float) -> None:
+    r = _runner()
+    await r.post(_append(1))
+    await r.post(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
+    await _settle()
+    drain(r)
+    rc = session_pb2.ResponseCreate(extra_body=_struct({"pitch_semitones": x}))
+    await r.post(session_pb2.ClientEvent(event_id="rc", response_create=rc))
+    await _settle()
+    (ev,) = drain(r)
+    assert (ev.error.code, ev.error.event_id) == (ErrorCode.INVALID_RUNTIME_CONFIG, "rc")
+    assert r.response is None
+    r.close("test")
 
 
 # ---- end to end ---------------------------------------------------------------------------------
@@ -269,6 +353,9 @@ def _open_event(**kw: Any) -> session_pb2.ClientEvent:
 
 async def test_bad_opens_end_to_end_get_invalid_argument_with_their_code(stack: InProcessStack) -> None:
     fatal = {
+        "NaN": (_open_event(extra=_struct({"pitch_semitones": math.nan})), "invalid_runtime_config"),
+        "Infinity": (_open_event(extra=_struct({"pitch_semitones": -math.inf})), "invalid_runtime_config"),
+        "deep": (_open_event(extra=_deep(MAX_EXTRA_BODY_DEPTH + 1)), "invalid_runtime_config"),
         "15 KB key": (_open_event(extra=_struct({"k" * 15_000: 1})), "invalid_runtime_config"),
         "100 KB model": (_open_event(model="m" * 100_000), "model_mismatch"),
     }
@@ -283,6 +370,29 @@ async def test_bad_opens_end_to_end_get_invalid_argument_with_their_code(stack: 
             )
             assert c.error.code == code and len(c.error.message) < SHORT, (name, c.error)
             assert c.events == [], name
+
+
+async def test_bad_updates_end_to_end_are_error_events_and_the_session_goes_on(stack: InProcessStack) -> None:
+    async with grpc.aio.insecure_channel(stack.target) as ch:
+        c = Conversation(ch).start(_open_event(input_format=F32_48K_STEREO.to_proto()))
+        opened = (await c.wait_kind("opened")).opened
+        # The output defaults to the input's rate with the model's encoding, mono.
+        assert PcmFormat.from_proto(opened.config.output_format) == PcmFormat(S16LE, 48000, 1)
+        bad = [
+            (_update("nan", extra=_struct({"pitch_semitones": math.nan})), "invalid_runtime_config"),
+            (_update("deep", extra=_deep(MAX_EXTRA_BODY_DEPTH + 1)), "invalid_runtime_config"),
+        ]
+        for ev, _ in bad:
+            c.send(ev)
+        c.send(_update("fine", instructions="be brief"))
+        updated = await c.wait_kind("updated")
+        errors = [(e.error.event_id, e.error.code) for e in c.of("error")]
+        assert errors == [(ev.event_id, code) for ev, code in bad]
+        assert updated.updated.config.instructions == "be brief"
+        assert list(updated.updated.config.modalities) == ["audio"]
+        c.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        await c.wait_done()
+        assert c.status is None and c.of("closed")[0].closed.reason == "client_close"
 
 
 # The gRPC layer parses a message before the handler runs: one that does not parse (not a
