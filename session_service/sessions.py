@@ -265,6 +265,7 @@ class SessionManager:
                     None,
                     require_input=True,
                     default_turn=defaults.turn_detection,
+                    default_modalities=defaults.modalities,
                     capabilities=self.capabilities,
                 )
                 self._check_turn_detection(settings)

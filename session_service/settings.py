@@ -8,6 +8,7 @@ update into an error event.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from google.protobuf import struct_pb2
 
@@ -30,7 +31,7 @@ MAX_EXTRA_BODY_BYTES = 16 * 1024
 #: level takes three); no model option needs more than a few.
 MAX_EXTRA_BODY_DEPTH = 16
 
-#: Output modalities a client may ask for.
+#: Output modalities a client may ask for (the plugin's capabilities narrow them).
 MODALITIES = ("audio", "text")
 
 
@@ -41,12 +42,19 @@ def settings_from_proto(
     require_input: bool,
     default_turn: TurnDetection | None = None,
     capabilities: Capabilities | None = None,
+    default_modalities: tuple[str, ...] = ("audio",),
 ) -> SessionSettings:
     """Domain settings from a wire config; unset fields keep ``base`` (or, for a new session,
-    ``default_turn``: the plugin's turn detection defaults). ``capabilities`` (the plugin's)
-    give the output's default encoding. Raises BadEventError."""
+    the plugin's defaults: ``default_turn``, ``default_modalities``). ``capabilities`` (the
+    plugin's) bound what may be asked for: input formats, modalities, turn detection, and the
+    output's default encoding. Raises BadEventError."""
     if cfg.HasField("input_format"):
         input_format = PcmFormat.from_proto(cfg.input_format)
+        if capabilities is not None and input_format not in capabilities.input_formats:
+            raise BadEventError(
+                ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
+                f"{capabilities.model} does not take {input_format} input (see capabilities.input_formats)",
+            )
     elif base is not None and not require_input:
         input_format = base.input_format
     else:
@@ -68,19 +76,45 @@ def settings_from_proto(
                 f"or in [{MIN_SILENCE_MS}, {MAX_SILENCE_MS}]",
             )
         turn = TurnDetection(auto_respond=td.auto_respond, silence_ms=td.silence_ms, barge_in=td.barge_in)
+        if turn.auto_respond and capabilities is not None and not capabilities.turn_detection:
+            raise BadEventError(
+                ErrorCode.INVALID_CONFIG,
+                f"{capabilities.model} has no server turn detection: "
+                "set turn_detection.auto_respond=false and commit yourself",
+            )
     else:
         turn = base.turn_detection if base is not None else (default_turn or TurnDetection())
-    for m in cfg.modalities:
-        if m not in MODALITIES:
-            raise BadEventError(ErrorCode.INVALID_CONFIG, f"unknown modality {m!r}")
+    modalities = _modalities(cfg.modalities, capabilities)
     return SessionSettings(
         input_format=input_format,
         output_format=output_format,
         instructions=cfg.instructions or (base.instructions if base else ""),
         turn_detection=turn,
-        modalities=tuple(cfg.modalities) or (base.modalities if base else ("audio",)),
+        modalities=modalities or (base.modalities if base else default_modalities),
         idle_timeout_s=cfg.idle_timeout_s or (base.idle_timeout_s if base else 0),
     )
+
+
+def _modalities(asked: Sequence[str], capabilities: Capabilities | None) -> tuple[str, ...]:
+    """The modalities a config asks for (empty: unchanged), each known, offered by the model
+    (``capabilities.modalities``) and named once."""
+    offered = capabilities.modalities if capabilities is not None else MODALITIES
+    seen: list[str] = []
+    for m in asked:
+        if m not in MODALITIES:
+            raise BadEventError(
+                ErrorCode.INVALID_CONFIG, f"unknown modality {echo(m)} (known: {', '.join(MODALITIES)})"
+            )
+        if m not in offered:
+            model = capabilities.model if capabilities is not None else "the model"
+            raise BadEventError(
+                ErrorCode.INVALID_CONFIG,
+                f"{model} cannot produce {m} (capabilities.modalities: {', '.join(offered)})",
+            )
+        if m in seen:
+            raise BadEventError(ErrorCode.INVALID_CONFIG, f"modality {m} is listed twice")
+        seen.append(m)
+    return tuple(seen)
 
 
 def struct_to_dict(s: struct_pb2.Struct) -> dict[str, object]:

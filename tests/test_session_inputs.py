@@ -146,6 +146,18 @@ def test_extra_body_converts_as_json_format_does() -> None:
 PARROT_CAPS = ParrotPlugin().capabilities(max_sessions=1)
 
 
+@pytest.mark.parametrize(
+    "modalities",
+    [["text"], ["audio", "text"], ["audio", "audio"], ["video"], ["x" * 100_000], [""]],
+)
+def test_modalities_must_be_offered_by_the_model_and_named_once(modalities: list[str]) -> None:
+    cfg = _cfg(input_format=PCM16K_MONO.to_proto(), modalities=modalities)
+    with pytest.raises(BadEventError) as err:
+        settings_from_proto(cfg, None, require_input=True, capabilities=PARROT_CAPS)
+    assert err.value.code == ErrorCode.INVALID_CONFIG
+    assert len(err.value.message) < SHORT
+
+
 def test_the_output_defaults_to_the_input_rate_with_the_models_encoding_mono() -> None:
     for plugin in (ParrotPlugin(), SyntheticPlugin()):
         caps = plugin.capabilities(max_sessions=1)
@@ -160,6 +172,14 @@ def test_the_output_defaults_to_the_input_rate_with_the_models_encoding_mono() -
             settings_from_proto(cfg, None, require_input=True, capabilities=caps).output_format
             == F32_48K_STEREO
         )
+
+
+def test_an_input_format_the_model_does_not_list_is_unsupported() -> None:
+    narrow = dataclasses.replace(PARROT_CAPS, input_formats=(PCM16K_MONO,))
+    cfg = _cfg(input_format=F32_48K_STEREO.to_proto())
+    with pytest.raises(BadEventError) as err:
+        settings_from_proto(cfg, None, require_input=True, capabilities=narrow)
+    assert err.value.code == ErrorCode.UNSUPPORTED_AUDIO_FORMAT
 
 
 # ---- opens (SessionManager): call-ending INVALID_ARGUMENT ------------------------------------
@@ -206,6 +226,9 @@ BAD_OPENS: dict[str, tuple[session_pb2.SessionOpen, str]] = {
     "odd model": (_open(model="\x00\n\u202e" * 50), ErrorCode.MODEL_MISMATCH),
     "huge extra_body.model": (_open(extra=_struct({"model": "m" * 15_000})), ErrorCode.MODEL_MISMATCH),
     "list extra_body.model": (_open(extra=_struct({"model": ["parrot"] * 1000})), ErrorCode.MODEL_MISMATCH),
+    "text modality": (_open(modalities=["text"]), ErrorCode.INVALID_CONFIG),
+    "modality twice": (_open(modalities=["audio"] * 10_000), ErrorCode.INVALID_CONFIG),
+    "huge modality": (_open(modalities=["a" * 100_000]), ErrorCode.INVALID_CONFIG),
     "no input format": (session_pb2.SessionOpen(model="parrot"), ErrorCode.INVALID_CONFIG),
 }
 
@@ -220,6 +243,14 @@ async def test_a_bad_open_ends_the_call_with_its_code_and_a_short_message(name: 
     assert err.value.status == grpc.StatusCode.INVALID_ARGUMENT
     assert len(err.value.message) < SHORT and err.value.message.isascii(), err.value.message
     assert len(manager) == 0
+
+
+async def test_server_turn_detection_cannot_be_switched_on_where_the_model_has_none() -> None:
+    manager = _manager(SyntheticPlugin())
+    td = session_pb2.TurnDetection(auto_respond=True)
+    with pytest.raises(DuplexError) as err:
+        await manager.open(_open(model="synthetic", turn_detection=td))
+    assert (err.value.code, err.value.status) == (ErrorCode.INVALID_CONFIG, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 async def test_an_f32_session_gets_the_models_encoding_out_by_default() -> None:
@@ -300,6 +331,9 @@ BAD_UPDATES: dict[str, tuple[session_pb2.ClientEvent, str]] = {
     "deep": (_update("u", extra=_deep(MAX_EXTRA_BODY_DEPTH + 1)), ErrorCode.INVALID_RUNTIME_CONFIG),
     "huge key": (_update("u", extra=_struct({"k" * 15_000: 1})), ErrorCode.INVALID_RUNTIME_CONFIG),
     "wrong type": (_update("u", extra=_struct({"pitch_semitones": "5"})), ErrorCode.INVALID_RUNTIME_CONFIG),
+    "text modality": (_update("u", modalities=["text"]), ErrorCode.INVALID_CONFIG),
+    "modality twice": (_update("u", modalities=["audio", "audio"]), ErrorCode.INVALID_CONFIG),
+    "huge modality": (_update("u", modalities=["v" * 100_000]), ErrorCode.INVALID_CONFIG),
     "silence out of range": (
         _update("u", turn_detection=session_pb2.TurnDetection(silence_ms=2**32 - 1)),
         ErrorCode.INVALID_CONFIG,
@@ -321,6 +355,17 @@ async def test_a_bad_update_is_an_error_event_and_changes_nothing(name: str) -> 
     assert (evs[0].error.code, evs[0].error.event_id) == (code, "u")
     assert len(evs[0].error.message) < SHORT
     assert (r.settings, dict(r.runtime_config)) == before
+    r.close("test")
+
+
+async def test_an_update_cannot_switch_on_turn_detection_the_model_lacks() -> None:
+    r = _runner(SyntheticPlugin())
+    drain(r)
+    await r.post(_update("u", turn_detection=session_pb2.TurnDetection(auto_respond=True)))
+    await _settle()
+    (ev,) = drain(r)
+    assert ev.error.code == ErrorCode.INVALID_CONFIG
+    assert not r.settings.turn_detection.auto_respond
     r.close("test")
 
 
@@ -358,6 +403,7 @@ async def test_bad_opens_end_to_end_get_invalid_argument_with_their_code(stack: 
         "deep": (_open_event(extra=_deep(MAX_EXTRA_BODY_DEPTH + 1)), "invalid_runtime_config"),
         "15 KB key": (_open_event(extra=_struct({"k" * 15_000: 1})), "invalid_runtime_config"),
         "100 KB model": (_open_event(model="m" * 100_000), "model_mismatch"),
+        "text modality": (_open_event(modalities=["text"]), "invalid_config"),
     }
     async with grpc.aio.insecure_channel(stack.target) as ch:
         for name, (ev, code) in fatal.items():
@@ -381,6 +427,7 @@ async def test_bad_updates_end_to_end_are_error_events_and_the_session_goes_on(s
         bad = [
             (_update("nan", extra=_struct({"pitch_semitones": math.nan})), "invalid_runtime_config"),
             (_update("deep", extra=_deep(MAX_EXTRA_BODY_DEPTH + 1)), "invalid_runtime_config"),
+            (_update("text", modalities=["text"]), "invalid_config"),
         ]
         for ev, _ in bad:
             c.send(ev)
