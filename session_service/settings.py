@@ -2,11 +2,13 @@
 
 Used by opens (``sessions``) and updates (``runner``); every bad value raises a
 ``BadEventError`` with a stable code, which an open turns into a call-ending status and an
-update into an error event.
+update into an error event. Client values quoted in a message are bounded and escaped
+(``duplex.errors.echo``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
@@ -30,6 +32,13 @@ MAX_EXTRA_BODY_BYTES = 16 * 1024
 #: wire already refuses about 32 levels (protobuf's limit of 100 nested messages; a Struct
 #: level takes three); no model option needs more than a few.
 MAX_EXTRA_BODY_DEPTH = 16
+
+#: Largest ``instructions``: bytes of their JSON string encoding in UTF-8, what the resume
+#: token stores (``"``, ``\`` and control characters count as their escapes: ``\n`` 2 bytes,
+#: ``\u0000`` 6). With it, a session's whole state fits in a resume token
+#: (``session_service.resume.MAX_TOKEN_CHARS``) for principals of up to 1 KiB; tests hold a
+#: maximal session to that.
+MAX_INSTRUCTIONS_BYTES = 4096
 
 #: Output modalities a client may ask for (the plugin's capabilities narrow them).
 MODALITIES = ("audio", "text")
@@ -85,6 +94,8 @@ def settings_from_proto(
     else:
         turn = base.turn_detection if base is not None else (default_turn or TurnDetection())
     modalities = _modalities(cfg.modalities, capabilities)
+    if cfg.instructions:
+        check_instructions(cfg.instructions)
     return SessionSettings(
         input_format=input_format,
         output_format=output_format,
@@ -115,6 +126,28 @@ def _modalities(asked: Sequence[str], capabilities: Capabilities | None) -> tupl
             raise BadEventError(ErrorCode.INVALID_CONFIG, f"modality {m} is listed twice")
         seen.append(m)
     return tuple(seen)
+
+
+def instructions_size(text: str) -> int:
+    """The size ``MAX_INSTRUCTIONS_BYTES`` bounds: bytes of ``text`` as a JSON string (UTF-8,
+    without the quotes)."""
+    return len(json.dumps(text, ensure_ascii=False).encode()) - 2
+
+
+def check_instructions(text: str) -> None:
+    """Refuse instructions over ``MAX_INSTRUCTIONS_BYTES`` (``invalid_config``)."""
+    if len(text) * 6 <= MAX_INSTRUCTIONS_BYTES:
+        return  # no character takes more than 6 bytes (a JSON \u escape; UTF-8 needs at most 4)
+    # Past the limit in characters already: not encoded (a huge string costs nothing more).
+    long = len(text) > MAX_INSTRUCTIONS_BYTES
+    size = len(text) if long else instructions_size(text)
+    if size > MAX_INSTRUCTIONS_BYTES:
+        raise BadEventError(
+            ErrorCode.INVALID_CONFIG,
+            f"instructions take {'at least ' if long else ''}{size} bytes; the limit is "
+            f'{MAX_INSTRUCTIONS_BYTES} (UTF-8, with ", \\ and control characters counted as '
+            "their JSON escapes: 2 or 6 bytes)",
+        )
 
 
 def struct_to_dict(s: struct_pb2.Struct) -> dict[str, object]:

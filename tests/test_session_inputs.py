@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -32,6 +33,7 @@ from duplex.errors import (
     to_rpc_status,
 )
 from duplex.v1 import session_pb2
+from session_service import resume
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import Capabilities, DuplexModelPlugin
 from session_service.plugins.parrot import ParrotPlugin
@@ -42,6 +44,8 @@ from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
 from session_service.sessions import SessionManager
 from session_service.settings import (
     MAX_EXTRA_BODY_DEPTH,
+    MAX_INSTRUCTIONS_BYTES,
+    instructions_size,
     settings_from_proto,
     struct_to_dict,
 )
@@ -182,6 +186,32 @@ def test_an_input_format_the_model_does_not_list_is_unsupported() -> None:
     assert err.value.code == ErrorCode.UNSUPPORTED_AUDIO_FORMAT
 
 
+def test_instructions_are_bounded_as_the_resume_token_stores_them() -> None:
+    base = _cfg(input_format=PCM16K_MONO.to_proto())
+    at_limit = [
+        "x" * MAX_INSTRUCTIONS_BYTES,
+        '"' * (MAX_INSTRUCTIONS_BYTES // 2),
+        "\u00e9" * 2048,
+        "\x01" * 682,
+    ]
+    for text in at_limit:
+        assert instructions_size(text) <= MAX_INSTRUCTIONS_BYTES
+        base.instructions = text
+        assert settings_from_proto(base, None, require_input=True).instructions == text
+    over = [
+        "x" * (MAX_INSTRUCTIONS_BYTES + 1),
+        '"' * 2049,
+        "\x01" * 683,
+        "\U0001f600" * 1025,
+        "y" * 320 * 1024,
+    ]
+    for text in over:
+        base.instructions = text
+        with pytest.raises(BadEventError) as err:
+            settings_from_proto(base, None, require_input=True)
+        assert err.value.code == ErrorCode.INVALID_CONFIG and len(err.value.message) < SHORT
+
+
 # ---- opens (SessionManager): call-ending INVALID_ARGUMENT ------------------------------------
 
 
@@ -229,6 +259,8 @@ BAD_OPENS: dict[str, tuple[session_pb2.SessionOpen, str]] = {
     "text modality": (_open(modalities=["text"]), ErrorCode.INVALID_CONFIG),
     "modality twice": (_open(modalities=["audio"] * 10_000), ErrorCode.INVALID_CONFIG),
     "huge modality": (_open(modalities=["a" * 100_000]), ErrorCode.INVALID_CONFIG),
+    "long instructions": (_open(instructions="x" * (MAX_INSTRUCTIONS_BYTES + 1)), ErrorCode.INVALID_CONFIG),
+    "320 KiB instructions": (_open(instructions="i" * 320 * 1024), ErrorCode.INVALID_CONFIG),
     "no input format": (session_pb2.SessionOpen(model="parrot"), ErrorCode.INVALID_CONFIG),
 }
 
@@ -273,6 +305,54 @@ class _TextParrot(ParrotPlugin):
 
 #: The longest principal a session is guaranteed to fit in a token with (bytes of UTF-8).
 MAX_PRINCIPAL_BYTES = 1024
+
+
+async def test_a_maximal_session_always_fits_in_a_resume_token() -> None:
+    """Every setting at its longest, the longest key id, a 1 KiB principal: the open's token and
+    every refresh after updates that keep the session maximal are issued (never only a warning)."""
+    keys = ResumeKeys({"k" * 32: b"s" * 32})
+    manager = _manager(_TextParrot(), keys)
+    worst = '"' * (MAX_INSTRUCTIONS_BYTES // 2)  # 2 bytes each in the token
+    principal = "\u00e9" * (MAX_PRINCIPAL_BYTES // 2)
+    msg = _open(
+        input_format=F32_48K_STEREO.to_proto(),
+        output_format=F32_48K_STEREO.to_proto(),
+        instructions=worst,
+        turn_detection=session_pb2.TurnDetection(auto_respond=True, silence_ms=10_000, barge_in=True),
+        modalities=["text", "audio"],
+        idle_timeout_s=2**32 - 1,
+        extra=_struct({"pitch_semitones": -11.999999999999998, "silence_ms": 4999.5, "model": "parrot"}),
+    )
+    runner = await manager.open(msg, principal=principal)
+    assert len(runner.resume_token) <= resume.MAX_TOKEN_CHARS
+    claims = resume.decode(keys, runner.resume_token, session_id=runner.session_id)
+    assert claims.settings == runner.settings and claims.principal == principal
+    # Updates to other worst cases: the token is refreshed each time (it says the new state).
+    for text in ("\x01" * (MAX_INSTRUCTIONS_BYTES // 6), "\\" * (MAX_INSTRUCTIONS_BYTES // 2)):
+        before = runner.resume_token
+        await runner.post(
+            session_pb2.ClientEvent(update=session_pb2.SessionUpdate(config=_cfg(instructions=text)))
+        )
+        await _settle()
+        assert runner.settings.instructions == text
+        token = manager.refresh_resume_token(runner)
+        assert token != before and len(token) <= resume.MAX_TOKEN_CHARS
+        assert resume.decode(keys, token, session_id=runner.session_id).settings == runner.settings
+    # One byte more is refused, at the open and in an update (the session keeps its settings).
+    with pytest.raises(DuplexError) as err:
+        await manager.open(_open(instructions=worst + "x"), principal=principal)
+    assert err.value.code == ErrorCode.INVALID_CONFIG
+    drain(runner)
+    await runner.post(
+        session_pb2.ClientEvent(
+            event_id="long", update=session_pb2.SessionUpdate(config=_cfg(instructions=worst + "x"))
+        )
+    )
+    await _settle()
+    (ev,) = drain(runner)
+    assert (ev.error.code, ev.error.event_id) == (ErrorCode.INVALID_CONFIG, "long")
+    assert runner.settings.instructions == "\\" * (MAX_INSTRUCTIONS_BYTES // 2)
+    await manager.drain(0)
 
 
 # ---- later events (one runner, fake worker link): an error event, the session goes on -----------
@@ -334,6 +414,7 @@ BAD_UPDATES: dict[str, tuple[session_pb2.ClientEvent, str]] = {
     "text modality": (_update("u", modalities=["text"]), ErrorCode.INVALID_CONFIG),
     "modality twice": (_update("u", modalities=["audio", "audio"]), ErrorCode.INVALID_CONFIG),
     "huge modality": (_update("u", modalities=["v" * 100_000]), ErrorCode.INVALID_CONFIG),
+    "320 KiB instructions": (_update("u", instructions="i" * 320 * 1024), ErrorCode.INVALID_CONFIG),
     "silence out of range": (
         _update("u", turn_detection=session_pb2.TurnDetection(silence_ms=2**32 - 1)),
         ErrorCode.INVALID_CONFIG,
@@ -404,6 +485,7 @@ async def test_bad_opens_end_to_end_get_invalid_argument_with_their_code(stack: 
         "15 KB key": (_open_event(extra=_struct({"k" * 15_000: 1})), "invalid_runtime_config"),
         "100 KB model": (_open_event(model="m" * 100_000), "model_mismatch"),
         "text modality": (_open_event(modalities=["text"]), "invalid_config"),
+        "long instructions": (_open_event(instructions="x" * 20_000), "invalid_config"),
     }
     async with grpc.aio.insecure_channel(stack.target) as ch:
         for name, (ev, code) in fatal.items():
@@ -428,6 +510,7 @@ async def test_bad_updates_end_to_end_are_error_events_and_the_session_goes_on(s
             (_update("nan", extra=_struct({"pitch_semitones": math.nan})), "invalid_runtime_config"),
             (_update("deep", extra=_deep(MAX_EXTRA_BODY_DEPTH + 1)), "invalid_runtime_config"),
             (_update("text", modalities=["text"]), "invalid_config"),
+            (_update("long", instructions="x" * 300 * 1024), "invalid_config"),
         ]
         for ev, _ in bad:
             c.send(ev)
@@ -449,3 +532,11 @@ async def test_bad_updates_end_to_end_are_error_events_and_the_session_goes_on(s
 _SERVICER_DECODE = pytest.mark.xfail(
     strict=True, reason="needs the servicer to map a DecodeError of a client message to invalid_event"
 )
+
+
+def test_the_resume_token_json_is_what_instructions_size_measures() -> None:
+    for text in ('"\\\n\t\x00\u00e9\U0001f600 x', "plain"):
+        assert (
+            instructions_size(text)
+            == len(json.dumps(text, ensure_ascii=False, separators=(",", ":")).encode()) - 2
+        )
