@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import struct
 from typing import Any
 
 import grpc
@@ -463,6 +464,23 @@ async def test_response_create_with_non_finite_extra_body_is_invalid_runtime_con
     (ev,) = drain(r)
     assert (ev.error.code, ev.error.event_id) == (ErrorCode.INVALID_RUNTIME_CONFIG, "rc")
     assert r.response is None
+    r.close("test")
+
+
+@pytest.mark.parametrize("x", NON_FINITE)
+async def test_non_finite_float_pcm_is_refused_before_it_takes_its_seq(x: float) -> None:
+    fmt = PcmFormat(F32LE, 16000, 1)
+    r = _runner(input_format=fmt)
+    drain(r)
+    good = struct.pack("<512f", *([0.25] * 512))
+    bad = struct.pack("<512f", *([0.25] * 511 + [x]))
+    await r.post(_append(1, bad, eid="bad"))
+    await r.post(_append(1, good, eid="again"))  # the same seq: the refused append did not take it
+    await _settle()
+    evs = drain(r)
+    assert [e.WhichOneof("event") for e in evs] == ["error", "input_ack"], evs
+    assert (evs[0].error.code, evs[0].error.event_id) == (ErrorCode.INVALID_EVENT, "bad")
+    assert evs[1].input_ack.seq == 1
     r.close("test")
 
 
