@@ -544,12 +544,41 @@ async def test_bad_updates_end_to_end_are_error_events_and_the_session_goes_on(s
 
 
 # The gRPC layer parses a message before the handler runs: one that does not parse (not a
-# ClientEvent, or nested deeper than protobuf's 100 messages: about 32 extra_body levels) fails
-# in the request iterator. Mapping that to invalid_event is the servicer's (see the change this
-# branch's report proposes); until it lands these are expected to fail.
+# ClientEvent, invalid UTF-8, or nested deeper than protobuf's 100 messages: about 32 extra_body
+# levels) raises DecodeError from the read, and the request iterator ends for good there. Mapping
+# it to invalid_event is the servicer's (reading with ``context.read()``, which goes on with the
+# next message). Until it does, these fail: strictly, so the mark goes once it does.
 _SERVICER_DECODE = pytest.mark.xfail(
     strict=True, reason="needs the servicer to map a DecodeError of a client message to invalid_event"
 )
+
+
+@_SERVICER_DECODE
+async def test_an_open_that_does_not_parse_is_invalid_event(stack: InProcessStack) -> None:
+    async with grpc.aio.insecure_channel(stack.target) as ch:
+        ev = _open_event()
+        _deep(40, into=ev.open.extra_body)  # past the parse depth: gRPC cannot read it
+        c = Conversation(ch).start(ev)
+        await c.wait_done()
+        assert c.status == grpc.StatusCode.INVALID_ARGUMENT and c.error is not None
+        assert c.error.code == "invalid_event"
+
+
+@_SERVICER_DECODE
+async def test_an_event_that_does_not_parse_is_an_error_event_and_the_session_goes_on(
+    stack: InProcessStack,
+) -> None:
+    async with grpc.aio.insecure_channel(stack.target) as ch:
+        c = Conversation(ch).start(_open_event())
+        await c.wait_kind("opened")
+        deep = _update("deep")
+        _deep(40, into=deep.update.extra_body)
+        c.send(deep)
+        c.send(_update("fine", instructions="be brief"))
+        await c.wait_kind("updated", within=3)
+        assert [e.error.code for e in c.of("error")] == ["invalid_event"]
+        c.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        await c.wait_done()
 
 
 def test_the_resume_token_json_is_what_instructions_size_measures() -> None:
