@@ -8,6 +8,8 @@ whose ``reason`` is the code (fatal).
 
 from __future__ import annotations
 
+import json
+import reprlib
 from enum import StrEnum
 from typing import Final, NoReturn, TypeVar
 
@@ -20,6 +22,19 @@ ERROR_DOMAIN = "duplex.v1"
 
 # The trailer in which grpc-status carries the serialized google.rpc.Status of a failed call.
 _STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
+
+#: Most characters of a client-provided value that an error message shows (``echo``).
+MAX_ECHO_CHARS: Final = 64
+
+#: Most bytes (UTF-8) of a status message. A call-ending status carries its message twice in
+#: the trailers (``grpc-message``, percent-encoded, and inside ``grpc-status-details-bin``);
+#: clients refuse trailers past 8 KiB (soft) / 16 KiB (hard), and the call would then end with
+#: a transport error instead of its stable code.
+MAX_STATUS_MESSAGE_BYTES: Final = 1024
+
+_ECHO_REPR = reprlib.Repr()  # bounded: at most a few items of each container, 2 levels deep
+_ECHO_REPR.maxlevel = 2
+_ECHO_REPR.maxstring = _ECHO_REPR.maxother = MAX_ECHO_CHARS
 
 # Any servicer's request and response types: abort() ends calls of every service here.
 _Request = TypeVar("_Request")
@@ -175,14 +190,53 @@ _STATUS_TO_ERROR: dict[grpc.StatusCode, type[DuplexError]] = {
 }
 
 
+def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """A client-provided value as an error message may show it: bounded and escaped.
+
+    A string is shown in double quotes with ``"``, ``\\``, control and non-ASCII characters
+    escaped as JSON escapes them, cut after at most ``limit`` characters of that (the cut is
+    said, with the full length); anything else by a bounded ``repr``, escaped the same way. The
+    result is ASCII and at most ``limit`` + 30 characters, whatever the client sent.
+    """
+    if isinstance(value, str):
+        shown, used = _escape(value, limit)
+        note = "" if used == len(value) else f"... ({len(value)} characters)"
+        return f'"{shown}"{note}'
+    return _escape(_ECHO_REPR.repr(value), limit)[0]
+
+
+def _escape(text: str, limit: int) -> tuple[str, int]:
+    """``text`` escaped (printable ASCII but ``"`` and ``\\`` as is), at most ``limit``
+    characters of it, and how many characters of ``text`` that took."""
+    out: list[str] = []
+    width = 0
+    for used, ch in enumerate(text):
+        e = ch if " " <= ch <= "~" and ch not in '"\\' else json.dumps(ch)[1:-1]
+        if width + len(e) > limit:
+            return "".join(out), used
+        out.append(e)
+        width += len(e)
+    return "".join(out), len(text)
+
+
+def bound_message(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> str:
+    """``message`` cut to at most ``limit`` bytes of UTF-8 (on a character boundary)."""
+    data = message.encode()
+    if len(data) <= limit:
+        return message
+    return data[: limit - 3].decode(errors="ignore") + "..."
+
+
 def to_rpc_status(err: DuplexError) -> grpc.Status:
-    """The rich gRPC status for an error: its status code, message and an ErrorInfo with the code."""
+    """The rich gRPC status for an error: its status code, message and an ErrorInfo with the code.
+
+    The message is bounded (``MAX_STATUS_MESSAGE_BYTES``) so the trailers always fit."""
     info = error_details_pb2.ErrorInfo(reason=err.code, domain=ERROR_DOMAIN)
     if err.retryable:
         info.metadata["retryable"] = "true"
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=err.status.value[0], message=err.message, details=[detail])
+    status = status_pb2.Status(code=err.status.value[0], message=bound_message(err.message), details=[detail])
     return rpc_status.to_status(status)
 
 
@@ -251,6 +305,8 @@ def _default_code(status_code: grpc.StatusCode) -> str:
 
 __all__ = [
     "ERROR_DOMAIN",
+    "MAX_ECHO_CHARS",
+    "MAX_STATUS_MESSAGE_BYTES",
     "BadEventError",
     "BadRequestError",
     "CapacityError",
@@ -264,6 +320,8 @@ __all__ = [
     "UnavailableError",
     "WorkerErrorCode",
     "abort",
+    "bound_message",
+    "echo",
     "from_rpc_error",
     "to_rpc_status",
 ]

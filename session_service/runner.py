@@ -23,7 +23,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from duplex.audio import PcmFormat
+import numpy as np
+
+from duplex.audio import F32LE, PcmFormat
 from duplex.clock import MONOTONIC, Clock
 from duplex.errors import BadEventError, DuplexError, ErrorCode, InternalError, UnavailableError
 from duplex.fence import Fence
@@ -435,6 +437,9 @@ class SessionRunner:
                 f"{len(ap.pcm)} bytes is not a positive whole number of {fmt.frame_bytes}-byte frames "
                 f"for {fmt}",
             )
+        # Checked before the append takes its seq (the converter would refuse it only after).
+        if fmt.encoding == F32LE and not np.isfinite(np.frombuffer(ap.pcm, dtype="<f4")).all():
+            raise BadEventError(ErrorCode.INVALID_EVENT, "float PCM contains NaN or infinity")
 
     async def _on_commit(self, received: float) -> None:
         link = await self._bound_link()
@@ -518,7 +523,7 @@ class SessionRunner:
     def _on_update(self, up: session_pb2.SessionUpdate) -> None:
         extra = struct_to_dict(up.extra_body)
         self._check_model_key(extra)
-        new = settings_from_proto(up.config, self.settings, require_input=False)
+        new = settings_from_proto(up.config, self.settings, require_input=False, capabilities=self._caps)
         if new.instructions != self.settings.instructions and self.state.context_locked:
             raise BadEventError(
                 ErrorCode.CONTEXT_LOCKED, "instructions cannot change after the first response"

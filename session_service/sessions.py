@@ -30,6 +30,7 @@ from duplex.errors import (
     NotFoundError,
     PermissionDeniedError,
     UnavailableError,
+    echo,
 )
 from duplex.v1 import session_pb2
 from session_service.auth import ANONYMOUS
@@ -253,20 +254,29 @@ class SessionManager:
         if msg.model and msg.model != self._plugin.plugin_id:
             raise BadRequestError(
                 ErrorCode.MODEL_MISMATCH,
-                f"model {msg.model!r} is not served here (this is {self._plugin.plugin_id!r})",
+                f"model {echo(msg.model)} is not served here (this is {self._plugin.plugin_id!r})",
             )
         with self._opening_for(principal):
             session_id = f"sess_{uuid.uuid4().hex}"
             try:
                 defaults = self._plugin.default_settings()
                 settings = settings_from_proto(
-                    msg.config, None, require_input=True, default_turn=defaults.turn_detection
+                    msg.config,
+                    None,
+                    require_input=True,
+                    default_turn=defaults.turn_detection,
+                    default_modalities=defaults.modalities,
+                    capabilities=self.capabilities,
                 )
                 self._check_turn_detection(settings)
                 extra = struct_to_dict(msg.extra_body)
                 model = extra.pop("model", None)
                 if model is not None and model != self._plugin.plugin_id:
-                    raise BadRequestError(ErrorCode.MODEL_MISMATCH, f"model {model!r} is not served here")
+                    raise BadRequestError(
+                        ErrorCode.MODEL_MISMATCH,
+                        f"extra_body.model {echo(model)} is not served here "
+                        f"(this is {self._plugin.plugin_id!r})",
+                    )
                 self._plugin.validate_client_extra_body(extra)
                 runtime = await self._plugin.prepare_runtime_config(settings, extra)
                 token = issue(self._keys, self._claims(session_id, settings, runtime, extra, principal))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 from typing import Any
 
@@ -25,7 +26,7 @@ from duplex.v1 import session_pb2, worker_pb2
 from session_service import resume
 from session_service.auth import ANONYMOUS
 from session_service.config import ServiceConfig
-from session_service.plugin import SessionSettings, TurnDetection
+from session_service.plugin import Capabilities, SessionSettings, TurnDetection
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.resume import ResumeKeys
 from session_service.routing import SessionRegistry
@@ -39,6 +40,15 @@ SECRET = ResumeKeys.single(SECRET_BYTES, kid="k1")
 T0 = 1_700_000_000.0
 IN_FMT = PcmFormat(F32LE, 48000, 2)
 OUT_FMT = PcmFormat(S16LE, 24000, 1)
+
+
+class TextParrot(ParrotPlugin):
+    """A parrot that also offers text, so the tokens' modalities are not just the default."""
+
+    def capabilities(self, *, max_sessions: int) -> Capabilities:
+        return dataclasses.replace(
+            super().capabilities(max_sessions=max_sessions), modalities=("audio", "text")
+        )
 
 
 class FakePlacer:
@@ -76,7 +86,7 @@ def replica(
         **{k: kw.pop(k) for k in ("max_sessions_per_principal",) if k in kw},  # type: ignore[arg-type]
     )
     manager = SessionManager(
-        plugin=ParrotPlugin(),
+        plugin=TextParrot(),
         config=cfg,
         registry=SessionRegistry(),
         placer=placer,

@@ -33,8 +33,8 @@ def test_a_new_session_needs_an_input_format_and_takes_the_plugins_turn_defaults
         _cfg(input_format=F32_48K.to_proto()), None, require_input=True, default_turn=plugin_turn
     )
     assert s.input_format == F32_48K and s.turn_detection == plugin_turn
-    # The output defaults to the input's rate and encoding, mono.
-    assert s.output_format == PcmFormat(F32LE, 48000, 1)
+    # The output defaults to the input's rate with the model's encoding (session.proto), mono.
+    assert s.output_format == PcmFormat(S16LE, 48000, 1)
     assert s.modalities == ("audio",) and s.idle_timeout_s == 0 and s.instructions == ""
 
 

@@ -114,8 +114,9 @@ async def test_sixteen_sessions_each_get_only_their_own_reply(stack: InProcessSt
 
 
 def out_format(fmt: PcmFormat) -> PcmFormat:
-    """The default output format of a session: the input's rate and encoding, mono."""
-    return PcmFormat(fmt.encoding, fmt.sample_rate_hz, 1)
+    """The default output format of a session: the input's rate with the model's encoding (the
+    parrot's s16), mono."""
+    return PcmFormat(PCM16K_MONO.encoding, fmt.sample_rate_hz, 1)
 
 
 def worker_input(pcm: bytes, fmt: PcmFormat) -> np.ndarray:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, SUPPORTED_RATES, PcmFormat
-from duplex.errors import ErrorCode
+from duplex.errors import ErrorCode, echo
 from session_service.plugin import (
     Capabilities,
     DuplexModelPlugin,
@@ -81,7 +81,7 @@ class ParrotPlugin(DuplexModelPlugin):
                 _number(key, value, *SILENCE_MS_RANGE)
             else:
                 raise RuntimeConfigError(
-                    f"unknown extra_body key {key!r} (parrot takes pitch_semitones, silence_ms)"
+                    f"unknown extra_body key {echo(key)} (parrot takes pitch_semitones, silence_ms)"
                 )
 
     async def prepare_runtime_config(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duplex.audio import PCM16K_MONO
-from duplex.errors import ErrorCode
+from duplex.errors import ErrorCode, echo
 from session_service.plugin import (
     Capabilities,
     RuntimeConfigError,
@@ -79,7 +79,7 @@ class SyntheticPlugin(ParrotPlugin):
             bounds = OPTION_RANGES.get(key)
             if bounds is None:
                 raise RuntimeConfigError(
-                    f"unknown extra_body key {key!r} (synthetic takes {', '.join(sorted(OPTION_RANGES))})"
+                    f"unknown extra_body key {echo(key)} (synthetic takes {', '.join(sorted(OPTION_RANGES))})"
                 )
             _whole_number(key, value, *bounds)
 
