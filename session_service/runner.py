@@ -352,7 +352,7 @@ class SessionRunner:
             case "open" | "resume":
                 raise BadEventError(ErrorCode.ALREADY_OPEN, "the session is already open")
             case _:
-                raise BadEventError(ErrorCode.INVALID_EVENT, "empty client event")
+                raise BadEventError(ErrorCode.INVALID_EVENT, "empty or unreadable client event")
 
     def _error(self, err: DuplexError, event_id: str = "") -> None:
         self._safely(lambda: self.emitter.error(err, event_id))

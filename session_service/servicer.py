@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, abort
 from duplex.v1 import session_pb2, session_pb2_grpc
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 
 #: How long a half-close must stand before it counts as "close" (a cancel looks alike at first).
 HALF_CLOSE_GRACE_S = 0.05
+
+#: Why a client message that gRPC could not parse is refused (``invalid_event``).
+UNPARSABLE = "the client message is not a valid ClientEvent (malformed, or nested too deeply)"
 
 #: Events a stream may send before its open (each answered ``session_not_open``) before the
 #: call is ended: a stream that never opens must not live on by sending junk.
@@ -52,7 +56,8 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             principal = self._principal_of(context)
         except DuplexError as err:
             await self._abort(context, err)
-        it = aiter(request_iterator)
+        del request_iterator  # read with context.read(): see _client_events
+        it = aiter(_client_events(context))
         runner: SessionRunner | None = None
         refused = 0
         # One deadline for the whole stream: refused events do not extend it.
@@ -67,6 +72,8 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 await self._abort(
                     context, BadRequestError(ErrorCode.SESSION_NOT_OPEN, "no open or resume in time")
                 )
+            if ev is None:
+                await self._abort(context, BadRequestError(ErrorCode.INVALID_EVENT, UNPARSABLE))
             kind = ev.WhichOneof("event")
             EVENTS_IN[kind or "none"].inc()
             try:
@@ -142,14 +149,16 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
 
     async def _pump(
         self,
-        it: AsyncIterator[session_pb2.ClientEvent],
+        it: AsyncIterator[session_pb2.ClientEvent | None],
         runner: SessionRunner,
         attachment: int,
         context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
     ) -> None:
         try:
             async for ev in it:
-                await runner.post(ev)  # stamped on the runner's clock as it arrives
+                # Stamped on the runner's clock as it arrives; one that did not parse is an empty
+                # event for the runner (invalid_event, and the session goes on).
+                await runner.post(ev if ev is not None else session_pb2.ClientEvent())
         except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
             return  # dropped stream: the runner waits the detached grace for a resume
         except Exception:
@@ -163,3 +172,21 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         # Half-close by the client ends the session, unless a resumed stream has taken over.
         if runner.outbound.current_attachment == attachment:
             await runner.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+
+
+async def _client_events(
+    context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
+) -> AsyncIterator[session_pb2.ClientEvent | None]:
+    """The call's client events, None for one gRPC could not parse (corrupt, nested too deep,
+    invalid UTF-8). Read with ``context.read()``: a parse error would end the request iterator
+    for good, while ``read`` goes on with the next message, so a bad message costs an error
+    event, not the stream."""
+    while True:
+        try:
+            ev = await context.read()
+        except DecodeError:
+            yield None
+            continue
+        if not isinstance(ev, session_pb2.ClientEvent):  # grpc.aio.EOF: the client half-closed
+            return
+        yield ev

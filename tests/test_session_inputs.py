@@ -545,15 +545,10 @@ async def test_bad_updates_end_to_end_are_error_events_and_the_session_goes_on(s
 
 # The gRPC layer parses a message before the handler runs: one that does not parse (not a
 # ClientEvent, invalid UTF-8, or nested deeper than protobuf's 100 messages: about 32 extra_body
-# levels) raises DecodeError from the read, and the request iterator ends for good there. Mapping
-# it to invalid_event is the servicer's (reading with ``context.read()``, which goes on with the
-# next message). Until it does, these fail: strictly, so the mark goes once it does.
-_SERVICER_DECODE = pytest.mark.xfail(
-    strict=True, reason="needs the servicer to map a DecodeError of a client message to invalid_event"
-)
+# levels) raises DecodeError from the read. The servicer reads with ``context.read()``, which
+# goes on with the next message, and maps it to invalid_event.
 
 
-@_SERVICER_DECODE
 async def test_an_open_that_does_not_parse_is_invalid_event(stack: InProcessStack) -> None:
     async with grpc.aio.insecure_channel(stack.target) as ch:
         ev = _open_event()
@@ -564,7 +559,6 @@ async def test_an_open_that_does_not_parse_is_invalid_event(stack: InProcessStac
         assert c.error.code == "invalid_event"
 
 
-@_SERVICER_DECODE
 async def test_an_event_that_does_not_parse_is_an_error_event_and_the_session_goes_on(
     stack: InProcessStack,
 ) -> None:
