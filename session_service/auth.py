@@ -157,6 +157,20 @@ class ReloadingFile(Generic[_T]):
             )
 
 
+#: Longest principal accepted (a JWT ``sub`` is the issuer's to choose): a session's resume
+#: token carries it, and every valid session must fit in one.
+MAX_PRINCIPAL_BYTES = 1024
+
+
+def bounded_principal(principal: str) -> str:
+    """``principal``, or ``UnauthenticatedError`` when it is too long to carry."""
+    if len(principal.encode()) > MAX_PRINCIPAL_BYTES:
+        raise UnauthenticatedError(
+            ErrorCode.UNAUTHENTICATED, f"the caller's identity is longer than {MAX_PRINCIPAL_BYTES} bytes"
+        )
+    return principal
+
+
 # ---- bearer tokens from a file ----------------------------------------------------------------
 
 _HEX_DIGEST: Final = re.compile(r"[0-9a-fA-F]{64}")
@@ -448,11 +462,11 @@ class Authenticator:
             return ANONYMOUS
         principal = self.token_principal(context.invocation_metadata())
         if principal is not None:
-            return principal
+            return bounded_principal(principal)
         if self.client_certificates:
             identity = peer_identity(context)
             if identity:
-                return identity
+                return bounded_principal(identity)
             raise UnauthenticatedError(
                 ErrorCode.UNAUTHENTICATED, "the client certificate names no identity (no SAN or CN)"
             )

@@ -815,3 +815,12 @@ async def test_every_refusal_reaches_a_client_in_another_process_as_unauthentica
         stdout, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0
     assert json.loads(stdout.decode().replace("'", '"')) == {"unauthenticated": 100}
+
+
+def test_a_principal_longer_than_a_resume_token_can_carry_is_refused() -> None:
+    from session_service.auth import MAX_PRINCIPAL_BYTES, bounded_principal
+
+    assert bounded_principal("p" * MAX_PRINCIPAL_BYTES) == "p" * MAX_PRINCIPAL_BYTES
+    with pytest.raises(DuplexError) as err:
+        bounded_principal("p" * (MAX_PRINCIPAL_BYTES + 1))
+    assert err.value.code == "unauthenticated"
