@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--layers", type=int, default=None)
     synth.add_argument("--emit-every", type=int, default=None)
     synth.add_argument("--reply-frames", type=int, default=None)
+    synth.add_argument(
+        "--inject-invalid-sparse",
+        action="store_true",
+        help="fault injection (to test alerting): every audio step declares an invalid sparse "
+        "marker, so it fails closed and is counted; never in production",
+    )
     return p
 
 
@@ -159,6 +165,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             "reply_frames": args.reply_frames,
         }
         options = {k: v for k, v in keys.items() if v is not None}
+        if args.inject_invalid_sparse:
+            options["invalid_sparse"] = True
     host = split_host_port(args.listen)[0]
     config = WorkerConfig(
         model=args.model,

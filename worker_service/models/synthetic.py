@@ -79,10 +79,17 @@ class SyntheticModel(StepModel[SyntheticState]):
         layers: int = 2,
         seed: int = 0,
         initial_slots: int = 64,
+        invalid_sparse: bool = False,
         **defaults: object,
     ) -> None:
+        """``invalid_sparse``: fault injection for alerting tests: every audio step declares its
+        sparse marker with an illegal carrier, so the worker fails it closed (no audio routed,
+        counted in ``duplex_sparse_fail_closed_total``)."""
         if hidden_size < 1 or layers < 1:
             raise ValueError("hidden_size and layers must be >= 1")
+        if not isinstance(invalid_sparse, bool):
+            raise ValueError("invalid_sparse must be a bool")
+        self._invalid_sparse = invalid_sparse
         self.device = device
         self.defaults = SyntheticOptions.parse(defaults, SyntheticOptions())
         gen = torch.Generator().manual_seed(seed)
@@ -167,8 +174,10 @@ class SyntheticModel(StepModel[SyntheticState]):
                 n.response_started = True
             s.reply_left -= 1
             n.response_finished = s.reply_left == 0
+        # An int is not a legal marker carrier (a list of str or a str is): fault injection.
+        marker: object = 1 if self._invalid_sparse else ["1"]
         outputs = {
             "audio": audio,
-            "meta": {"sparse_audio": ["1"], "req_id": [batch.req_ids[i] for i in emit]},
+            "meta": {"sparse_audio": marker, "req_id": [batch.req_ids[i] for i in emit]},
         }
         return StepResult(outputs=outputs, news=news)
