@@ -555,6 +555,11 @@ def _check_worker_flags(ctx: Context, w: Workload, a: dict[str, str]) -> None:
     source = env.get(m.group(1), {}).get("valueFrom", {}).get("fieldRef", {}) if m else {}
     if source.get("fieldPath") != "metadata.name":
         ctx.add(w, f"--worker-id is {worker_id!r}, not $(VAR) of an env var holding the pod's name")
+    # torch's threads fit the pod's CPU (its default is one per core of the node).
+    threads = a.get("--torch-threads", "0")
+    cpu = _cpu((w.main.get("resources") or {}).get("requests", {}).get("cpu"))
+    if not threads.isdigit() or int(threads) == 0 or (cpu is not None and int(threads) > max(1, round(cpu))):
+        ctx.add(w, f"--torch-threads {threads} does not fit the CPU request {cpu}")
     # The device follows the resources: cuda with a GPU, never cuda without one.
     device = a.get("--device", "auto")
     gpu = (w.main.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu")
@@ -568,6 +573,17 @@ def _check_worker_flags(ctx: Context, w: Workload, a: dict[str, str]) -> None:
             ctx.add(w, "takes a GPU but does not tolerate the nvidia.com/gpu taint")
         if not w.pod.get("nodeSelector") and not w.pod.get("affinity"):
             ctx.add(w, "takes a GPU but selects no nodes (nodeSelector or affinity)")
+
+
+def _cpu(quantity: object) -> float | None:
+    """A CPU quantity ("2", 2, "500m") in cores."""
+    text = str(quantity) if quantity is not None else ""
+    if re.fullmatch(r"\d+m", text):
+        return int(text[:-1]) / 1000
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _check_cli(ctx: Context, w: Workload) -> None:

@@ -277,6 +277,10 @@ def _gpu_on_cpu(docs: list[Doc]) -> None:
     set_arg(container(docs, "StatefulSet", "worker"), "--device", "cpu")
 
 
+def _threads_for_the_node(docs: list[Doc]) -> None:
+    drop_arg(container(docs, "StatefulSet", "worker"), "--torch-threads")
+
+
 def _no_gpu_toleration(docs: list[Doc]) -> None:
     del pod(docs, "StatefulSet", "worker")["tolerations"]
 
@@ -366,6 +370,7 @@ MUTATIONS: list[tuple[str, str, Mutation, str]] = [
     ("no-autoscaler", "cpu", _no_hpa, "no HorizontalPodAutoscaler"),
     ("gpu-on-cpu", "gpu", _gpu_on_cpu, "takes a GPU but runs --device cpu"),
     ("no-gpu-toleration", "gpu", _no_gpu_toleration, "does not tolerate the nvidia.com/gpu taint"),
+    ("torch-threads-per-node-core", "cpu", _threads_for_the_node, "--torch-threads 0 does not fit"),
     ("scrape-annotation-port", "cpu", _scrape_port, "prometheus.io/port '9101' is not the metrics port 9102"),
     ("pod-monitor-port", "gpu-full", _pod_monitor_port, "port 'metric' is not a port of"),
     ("prometheus-rule-drift", "gpu-full", _rule_drift, "differ from deploy/prometheus/alerts.yaml"),
