@@ -6,7 +6,7 @@ PROTOS := $(wildcard proto/duplex/v1/*.proto)
 PROTOC  = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Iproto \
           --python_out=$(1) --grpc_python_out=$(1) --mypy_out=$(1) --mypy_grpc_out=$(1)
 
-.PHONY: setup proto proto-check test lint bench demo up clean
+.PHONY: setup proto proto-check test lint bench demo up clean images deploy-check
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,36 @@ demo: setup
 
 up: setup
 	$(BIN)/duplex up
+
+# The container images (deploy/images/): session, worker-cpu, worker-cuda, built with docker
+# (BuildKit) or podman, whichever works here, tagged $(IMAGE_REGISTRY)/NAME:$(IMAGE_TAG). Push
+# them, then pin each overlay's images by the digest the registry reports (deploy/README.md).
+IMAGE_REGISTRY ?= duplex
+IMAGE_TAG ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo dev)
+IMAGES ?= session worker-cpu worker-cuda
+CONTAINER_ENGINE ?= $(shell for e in docker podman; do \
+  command -v $$e >/dev/null 2>&1 && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
+
+images:
+	@engine="$(CONTAINER_ENGINE)"; \
+	if [ -z "$$engine" ]; then \
+	  for e in docker podman; do \
+	    if command -v $$e >/dev/null 2>&1; then \
+	      echo "make images: $$e is installed but cannot build here ('$$e info' fails: no daemon or runtime)" >&2; \
+	    else echo "make images: $$e is not installed" >&2; fi; \
+	  done; \
+	  echo "make images: no working container engine, no image built" >&2; exit 1; \
+	fi; \
+	for image in $(IMAGES); do \
+	  echo "$$engine build -f deploy/images/$$image.Containerfile -t $(IMAGE_REGISTRY)/$$image:$(IMAGE_TAG) ."; \
+	  DOCKER_BUILDKIT=1 $$engine build -f deploy/images/$$image.Containerfile \
+	    -t $(IMAGE_REGISTRY)/$$image:$(IMAGE_TAG) . || exit 1; \
+	done
+
+# Every overlay rendered and validated against Kubernetes 1.30 and 1.32 offline, the settings the
+# deployment relies on, the images' Containerfiles, the Prometheus rules (deploy/check.py).
+deploy-check: setup
+	$(BIN)/python -m deploy.check
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -47,23 +47,41 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+#: The health service name the liveness probe asks for. It says whether the process itself
+#: still serves, whatever its dependencies do: SERVING from start until the process is broken (a
+#: worker whose engine died) or stopping, and through a drain. The overall status ("") is the
+#: readiness one: NOT_SERVING while loading, draining or (session tier) without a reachable
+#: worker, none of which a restart would fix.
+LIVENESS_SERVICE: Final = "duplex.v1.Liveness"
+
+
 class Health:
-    """The ``grpc.health.v1`` servicer of one server, with the overall ("") status kept in step."""
+    """The ``grpc.health.v1`` servicer of one server, with the overall ("") status kept in step,
+    and the liveness status (``LIVENESS_SERVICE``) kept apart from both."""
 
     def __init__(self, server: grpc.aio.Server, service_names: Iterable[str]) -> None:
         self._servicer = health.aio.HealthServicer()
         self._names = ["", *service_names]
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
         self.serving = False
+        self.alive = False
 
     async def set(self, serving: bool) -> None:
+        """The overall status and that of each named service (not liveness)."""
         self.serving = serving
         status = SERVING if serving else NOT_SERVING
         for name in self._names:
             await self._servicer.set(name, status)
 
+    async def set_alive(self, alive: bool) -> None:
+        """The liveness status: True once the process serves; False only when it is broken or
+        stopping (a liveness probe that fails restarts the container)."""
+        self.alive = alive
+        await self._servicer.set(LIVENESS_SERVICE, SERVING if alive else NOT_SERVING)
+
     async def shutdown(self) -> None:
         self.serving = False
+        self.alive = False
         await self._servicer.enter_graceful_shutdown()
 
     async def serve_plaintext(self, listen: str) -> tuple[grpc.aio.Server, int]:

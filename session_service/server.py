@@ -130,6 +130,8 @@ class SessionServer:
             self.metrics = serve_metrics(self.config.metrics_host, self.config.metrics_port)
         await server.start()
         await health.set(False)
+        # Liveness does not follow the workers: a worker outage must not restart the replicas.
+        await health.set_alive(True)
         if self.config.health_listen:
             self._health_server, self.health_port = await health.serve_plaintext(self.config.health_listen)
         self.pool.health_listeners.append(self._workers_changed)
@@ -174,6 +176,8 @@ class SessionServer:
     async def stop(self, grace: float = 2.0) -> None:
         """Drain, then stop the server, the worker links and /metrics."""
         await self.drain()
+        if self._health is not None:
+            await self._health.set_alive(False)
         if self._server is not None:
             await self._server.stop(grace)
         if self._health_server is not None:

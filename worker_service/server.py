@@ -153,6 +153,8 @@ class WorkerServer:
         self.port = bind(server, self.config.listen, self._credentials)
         await server.start()
         await self._health.set(False)
+        # Alive while the model loads; not alive once the engine has failed (see _engine_failed).
+        await self._health.set_alive(True)
         if self.config.health_listen:
             self._health_server, self.health_port = await self._health.serve_plaintext(
                 self.config.health_listen
@@ -188,6 +190,8 @@ class WorkerServer:
         if not self._ready.done():
             self._ready.set_exception(InternalError(ErrorCode.INTERNAL, f"model failed to load: {exc!r}"))
         self._spawn(self._health.set(False))
+        # Broken for good: the liveness probe fails and the container restarts.
+        self._spawn(self._health.set_alive(False))
         self._hub.close_all(InternalError(ErrorCode.INTERNAL, "the worker's engine failed"))
 
     async def drain(self) -> None:
@@ -209,6 +213,8 @@ class WorkerServer:
     async def stop(self, grace: float = 1.0) -> None:
         """Drain, then stop the server, the engine and /metrics."""
         await self.drain()
+        if self._health is not None:
+            await self._health.set_alive(False)
         if self._server is not None:
             await self._server.stop(grace)
         if self._health_server is not None:
