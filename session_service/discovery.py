@@ -195,24 +195,39 @@ class DnsResolver:
 
     def __init__(self, target: DnsTarget, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
         self.target = target
+        self._timeout_s = timeout_s
+        self._search = target.server is None
+        self._resolver: dns.asyncresolver.Resolver | None = None
+
+    def _make(self) -> dns.asyncresolver.Resolver:
+        """The resolver, made at the first resolution (a missing /etc/resolv.conf is then a
+        failed resolution, logged and retried, not a crash)."""
+        if self._resolver is not None:
+            return self._resolver
+        target = self.target
         if target.server is None:
             # /etc/resolv.conf: its servers, search list and ndots (the name as getaddrinfo
             # would look it up, /etc/hosts aside).
-            resolver = dns.asyncresolver.Resolver()
-            self._search = True
+            try:
+                resolver = dns.asyncresolver.Resolver()
+            except dns.resolver.NoResolverConfiguration as exc:
+                raise DiscoveryError(
+                    "no system resolver configuration (/etc/resolv.conf); name a DNS server: "
+                    "dns://IP[:PORT]/NAME:PORT"
+                ) from exc
         else:
             resolver = dns.asyncresolver.Resolver(configure=False)
             resolver.nameservers = [target.server[0]]
             resolver.port = target.server[1]
-            self._search = False
         resolver.cache = None  # every resolution asks: the point is to see changes
-        resolver.lifetime = timeout_s
-        resolver.timeout = min(2.0, timeout_s)
+        resolver.lifetime = self._timeout_s
+        resolver.timeout = min(2.0, self._timeout_s)
         self._resolver = resolver
+        return resolver
 
-    async def _query(self, rdtype: str) -> list[IPAddress]:
+    async def _query(self, resolver: dns.asyncresolver.Resolver, rdtype: str) -> list[IPAddress]:
         try:
-            answer = await self._resolver.resolve(
+            answer = await resolver.resolve(
                 self.target.name, rdtype, search=self._search, raise_on_no_answer=False
             )
         except dns.resolver.NXDOMAIN:
@@ -234,8 +249,16 @@ class DnsResolver:
     async def __call__(self) -> list[IPAddress]:
         # Both or nothing: a partial answer (A answered, AAAA timed out) could drop half the
         # workers of a dual-stack cluster.
-        v4, v6 = await asyncio.gather(self._query("A"), self._query("AAAA"))
-        return [*v4, *v6]
+        resolver = self._make()
+        answers = await asyncio.gather(
+            self._query(resolver, "A"), self._query(resolver, "AAAA"), return_exceptions=True
+        )
+        found: list[IPAddress] = []
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+            found.extend(answer)
+        return found
 
 
 Apply = Callable[[Sequence[str]], Awaitable[None]]
@@ -307,8 +330,8 @@ class WorkerDiscovery:
             log.info("resolving %s works again", self.target)
             self._last_problem = ""
         if addresses != self.addresses:
-            self.addresses = addresses
             await self._apply(addresses)
+            self.addresses = addresses
         return True
 
     def _problem(self, message: str) -> None:

@@ -116,8 +116,9 @@ class SessionServer:
 
     def _link_lost(self, link: WorkerLink) -> None:
         self.router.on_link_lost(link)
-        if self.discovery is not None:
-            self.discovery.nudge()  # the worker may have moved: look again now
+        # The worker may have moved: look again now (not for a link discovery itself removed).
+        if self.discovery is not None and self.pool.links.get(link.address) is link:
+            self.discovery.nudge()
 
     @property
     def address(self) -> str:

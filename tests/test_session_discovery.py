@@ -193,6 +193,24 @@ async def test_discovery_applies_changes_only_and_keeps_the_workers_through_fail
     assert after == {"ok": 5, "empty": 2, "failed": 1}
 
 
+async def test_an_answer_the_pool_could_not_take_is_applied_again_next_time() -> None:
+    applied: list[tuple[str, ...]] = []
+
+    async def apply(addresses: Sequence[str]) -> None:
+        applied.append(tuple(addresses))
+        if len(applied) == 1:
+            raise RuntimeError("the pool failed")
+
+    async def resolve() -> list[IPAddress]:
+        return [ipaddress.ip_address("127.0.0.2")]
+
+    discovery = WorkerDiscovery(DnsTarget(NAME, 1), apply, resolve=resolve)
+    with pytest.raises(RuntimeError):
+        await discovery.refresh()
+    assert discovery.addresses == ()
+    assert await discovery.refresh() and applied == [("127.0.0.2:1",)] * 2
+
+
 async def test_a_nudge_resolves_at_once_but_never_more_often_than_the_minimum_interval() -> None:
     times: list[float] = []
     fail = False
