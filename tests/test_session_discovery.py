@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ipaddress
 import itertools
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -608,6 +609,38 @@ async def test_two_workers_under_one_id_never_both_take_sessions() -> None:
         )
         for conv, sid in convs:
             assert await _next_turn_on(server, conv, sid) == second.address
+        await _close([c for c, _ in convs])
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_a_and_aaaa_records_are_workers_alike() -> None:
+    async with contextlib.AsyncExitStack() as exits:
+        workers, port = await _workers(exits, {"worker-a": "127.0.0.2", "worker-b": "[::1]"})
+        zone, dns_port = exits.enter_context(dns_server())
+        zone.set(NAME, ["::1", "127.0.0.2"])
+        server = await exits.enter_async_context(_discovering(dns_port, port, wait_workers=2))
+        v4, v6 = f"127.0.0.2:{port}", f"[::1]:{port}"
+        assert sorted(server.pool.links) == sorted([v4, v6])
+        assert {link.worker_id: link.address for link in server.pool.placeable().values()} == {
+            "worker-a": v4,
+            "worker-b": v6,
+        }
+        ch = await exits.enter_async_context(grpc.aio.insecure_channel(server.address))
+        convs: list[tuple[Conversation, str]] = []
+        while {_on(server, sid) for _, sid in convs} != {v4, v6}:
+            convs.append(await _open(ch))
+            assert len(convs) < 24
+        await _speak(next(c for c, sid in convs if _on(server, sid) == v6))  # a whole turn over IPv6
+        assert workers["worker-b"].owners()
         await _close([c for c, _ in convs])
 
 
