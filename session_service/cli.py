@@ -11,6 +11,12 @@ from duplex.errors import BadRequestError, DuplexError, ErrorCode
 from duplex.serving import split_host_port
 from duplex.tls import ClientTLS, ServerTLS
 from session_service.config import RunnerConfig, ServiceConfig
+from session_service.discovery import (
+    DEFAULT_MAX_WORKERS,
+    DEFAULT_RESOLVE_INTERVAL_S,
+    WorkersSpecError,
+    parse_workers,
+)
 from session_service.plugin import load_plugin
 from session_service.resume import DEFAULT_MAX_AGE_S, ResumeKeys
 
@@ -25,7 +31,25 @@ def _parser() -> argparse.ArgumentParser:
         "replica only.",
     )
     p.add_argument("--plugin", default="session_service.plugins.parrot:ParrotPlugin", help="module:Class")
-    p.add_argument("--workers", required=True, help="worker addresses HOST:PORT[,HOST:PORT...]")
+    p.add_argument(
+        "--workers",
+        required=True,
+        help="the workers: HOST:PORT[,HOST:PORT...], or dns:///NAME:PORT (every A/AAAA record of NAME "
+        "is a worker, re-resolved while running; dns://DNS_IP[:PORT]/NAME:PORT asks that DNS server)",
+    )
+    p.add_argument(
+        "--workers-resolve-interval-s",
+        type=float,
+        default=DEFAULT_RESOLVE_INTERVAL_S,
+        help="with --workers dns:...: resolve the name again this often (and at once when a worker "
+        "link is lost)",
+    )
+    p.add_argument(
+        "--max-workers",
+        type=int,
+        default=DEFAULT_MAX_WORKERS,
+        help="most worker links (a longer --workers list is refused, a DNS answer is cut)",
+    )
     p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC HOST:PORT (port 0 = any)")
     p.add_argument(
         "--health-listen",
@@ -181,12 +205,17 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
     tls = _tls(p, args)
     if (args.auth_jwks is None) != (not args.auth_audience):
         p.error("--auth-jwks and --auth-audience go together")
+    if args.max_workers < 1:
+        raise SystemExit("duplex session: --max-workers must be at least 1")
+    if args.workers_resolve_interval_s <= 0:
+        raise SystemExit("duplex session: --workers-resolve-interval-s must be positive")
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
-    if not workers:
-        raise SystemExit("duplex session: --workers needs at least one HOST:PORT")
     try:
-        for w in (*workers, args.listen):
-            split_host_port(w)
+        parse_workers(workers, max_workers=args.max_workers)
+    except WorkersSpecError as exc:
+        raise SystemExit(f"duplex session: {exc}") from exc
+    try:
+        split_host_port(args.listen)
     except ValueError as exc:
         raise SystemExit(f"duplex session: {exc}") from exc
     if args.resume_max_age_s <= 0:
@@ -215,6 +244,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
     return ServiceConfig(
         plugin=args.plugin,
         workers=workers,
+        workers_resolve_interval_s=args.workers_resolve_interval_s,
+        max_workers=args.max_workers,
         listen=args.listen,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,

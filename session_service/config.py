@@ -48,7 +48,15 @@ class ServiceConfig:
     plugin: str
     """Dotted path of the model plugin, ``module:Class`` or ``module.Class``."""
     workers: tuple[str, ...]
-    """Worker addresses (``HOST:PORT``), the same list on every replica so placement agrees."""
+    """Worker addresses (``HOST:PORT``), or ONE ``dns:[//DNS_SERVER[:PORT]/]NAME:PORT`` target whose
+    A and AAAA records are the workers, re-resolved while the service runs
+    (``session_service.discovery``). Placement ranks workers by their own ids, so replicas agree
+    whatever addresses each one dials."""
+    workers_resolve_interval_s: float = 10.0
+    """With a ``dns:`` target: how often its name is resolved again (also at once, at most once a
+    second, when a worker link is lost)."""
+    max_workers: int = 64
+    """Most worker links: a longer static list is refused, a DNS answer is cut to this many."""
     listen: str = "127.0.0.1:50051"
     """gRPC listen address; port 0 picks a free port."""
     metrics_host: str = "127.0.0.1"

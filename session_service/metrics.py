@@ -34,13 +34,25 @@ WORKER_COMMAND_SIZE: Final = Histogram(
 WORKERS_HEALTHY: Final = Gauge(
     "duplex_session_workers_healthy", "Workers with a live Run stream and the plugin's model."
 )
+# Labelled by the link's address (a configured HOST:PORT, or a resolved IP:PORT): one series per
+# link this replica holds (at most --max-workers); a link removed by discovery takes its series along.
 WORKER_SESSIONS: Final = Gauge(
-    "duplex_session_worker_sessions", "Sessions placed on each worker (by configured address).", ["worker"]
+    "duplex_session_worker_sessions", "Sessions placed on each worker link (by its address).", ["worker"]
 )
 WORKER_STALLS: Final = Counter(
     "duplex_session_worker_stalls",
     "Worker links dropped because the worker owed output and sent none for the stall timeout.",
     ["worker"],
+)
+WORKER_LINKS: Final = Gauge(
+    "duplex_session_worker_links",
+    "Worker links this replica holds (configured or discovered), healthy or not.",
+)
+RESOLUTIONS: Final = Counter(
+    "duplex_session_worker_resolutions",
+    "DNS resolutions of the workers' name (--workers dns:...) by result: ok, empty (no usable "
+    "record: the links are kept), failed (timeout, SERVFAIL: the links are kept).",
+    ["result"],
 )
 SILENCE_FRAMES: Final = Counter(
     "duplex_session_silence_frames", "Silence frames fed to keep a model turn going without client input."
@@ -68,6 +80,8 @@ RECONCILED: Final = Counter(
 # reasons are created with their table, session_service.worker_output.DropReason).
 for _stage in ("ack", "first_audio"):
     FRAME_LATENCY.labels(stage=_stage)
+for _result in ("ok", "empty", "failed"):
+    RESOLUTIONS.labels(result=_result)
 
 
 class Children(dict[str, Any]):

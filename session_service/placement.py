@@ -1,10 +1,27 @@
 """Placement: which worker holds a session, by rendezvous hashing over the healthy ones.
 
 Every replica computes the same owner for a session from the session id and the healthy
-worker set alone, so no shared state is needed; removing a worker moves only its sessions.
+workers' own ids (``WorkerDescription.worker_id``, from ``Describe``) alone, so no shared state
+is needed, whatever addresses the workers have or the order DNS lists them in; removing a
+worker moves only its sessions, and a worker that comes back under its id (a restarted pod with
+a new address) takes back the same sessions. A worker whose ``Describe`` has not answered is
+not placeable.
+
 ``WorkerPool`` holds the links (``session_service.worker_link`` in the service; anything that
-is a ``PlacementLink`` in a test) and attaches a session on its rendezvous choice, the next one
-when a worker does not answer or has no room.
+is a ``PlacementLink`` in a test), keyed by address; ``update`` changes that set while the
+service runs (``session_service.discovery``): a new address gets a link, a removed one's link
+is closed (its sessions get ``worker_unavailable`` and move at their next turn, as for a lost
+worker). It attaches a session on its rendezvous choice, the next one when a worker does not
+answer or has no room.
+
+One worker, one link: two addresses may reach workers that report the same id (a dual-stack
+pod's A and AAAA records; an old address still answering during a pod move; two workers given
+one ``--worker-id``). Only one of them may hold a Run stream (``claim``): a second stream of
+the same owner to the same worker would end the first, and two processes under one id must
+not both take sessions. The choice is deterministic where it can be: among the links whose
+latest ``Describe`` reported the id, the lowest address; but a link that already serves is
+never cut for another (its sessions would fail), so the choice is made again only when it
+loses its stream. The others stand by (logged once) and ask again at their reconnect pace.
 
 What placement raises may reach a client as it is: its messages never name a worker (its
 address) nor carry gRPC's own text (which names addresses too); those are logged here.
@@ -22,7 +39,7 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 
 from duplex.errors import CapacityError, DuplexError, ErrorCode, UnavailableError
-from session_service.metrics import WORKERS_HEALTHY
+from session_service.metrics import WORKER_LINKS, WORKER_SESSIONS, WORKER_STALLS, WORKERS_HEALTHY
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +86,9 @@ class PlacementLink(Protocol):
     address: str
     generation: int
     """Counts the link's Run streams: an Attach made under one is not held by the next."""
+    worker_id: str | None
+    """The id the worker reported (``Describe``) while the link reaches it; None before its
+    first answer and after the link failed. Placement ranks workers by it."""
 
     @property
     def healthy(self) -> bool: ...
@@ -88,24 +108,126 @@ LinkFactory = Callable[[str, Callable[[], None]], L]
 
 
 class WorkerPool(Generic[L]):
-    """Every configured worker; places sessions by rendezvous hashing over the healthy ones."""
+    """The worker links (configured, or discovered: ``update``); places sessions by rendezvous
+    hashing of the session id over the healthy workers' ids."""
 
     def __init__(
         self, addresses: Sequence[str], *, link_factory: LinkFactory[L], attach_timeout_s: float = 5.0
     ) -> None:
         self._attach_timeout_s = attach_timeout_s
         self._ready = asyncio.Event()
+        self._factory = link_factory
+        self._started = False
         self.links: dict[str, L] = {
             addr: link_factory(addr, self._health_changed) for addr in dict.fromkeys(addresses)
         }
+        """Every link, by the address it dials."""
         self.health_listeners: list[Callable[[bool], None]] = []
+        self._serving: dict[str, PlacementLink] = {}
+        """Worker id -> the one link that may hold a Run stream to it (``claim``)."""
+        self._standing_by: set[tuple[str, str]] = set()
+        """(address, worker id) of links refused a claim, logged once."""
+        WORKER_LINKS.set(len(self.links))
 
     def start(self) -> None:
+        self._started = True
         for link in self.links.values():
             link.start()
 
     async def close(self) -> None:
+        self._started = False
         await asyncio.gather(*(link.close() for link in self.links.values()))
+
+    async def update(self, addresses: Iterable[str]) -> None:
+        """Make the links those of ``addresses``: a link for each new one (started once the pool
+        is), and each one no longer listed closed (its sessions get ``worker_unavailable`` and
+        move at their next turn, as for a lost worker; its metric series go with it). The links
+        of addresses kept are untouched. Called by one task at a time (the discovery loop)."""
+        want = list(dict.fromkeys(addresses))
+        keep = set(want)
+        removed = [self.links.pop(addr) for addr in list(self.links) if addr not in keep]
+        for link in removed:
+            self.release(link)  # at once: another address of its worker may take over
+        added = [addr for addr in want if addr not in self.links]
+        for addr in added:
+            link = self._factory(addr, self._health_changed)
+            self.links[addr] = link
+            if self._started:
+                link.start()
+        WORKER_LINKS.set(len(self.links))
+        if added or removed:
+            log.info(
+                "workers: %d links (added %s; removed %s)",
+                len(self.links),
+                ", ".join(added) or "none",
+                ", ".join(f"{link.address} ({link.worker_id or 'not described'})" for link in removed)
+                or "none",
+            )
+        if not removed:
+            return
+        await asyncio.gather(*(link.close() for link in removed))
+        for link in removed:
+            if link.address in self.links:  # back already (a later update): its series are live
+                continue
+            for metric in (WORKER_SESSIONS, WORKER_STALLS):
+                with contextlib.suppress(KeyError):
+                    metric.remove(link.address)
+
+    # ---- one link per worker id ----------------------------------------------------------------
+
+    def claim(self, link: PlacementLink, worker_id: str) -> bool:
+        """Whether ``link``, whose worker just described itself as ``worker_id``, may open its
+        Run stream; if so it serves that id until ``release``. Refused while another link of the
+        pool serves the id, or reports it too from a lower address (deterministic: every replica
+        prefers the same one); the refused link stands by and asks again."""
+        if not self._member(link):
+            return False  # removed meanwhile
+        holder = self._serving.get(worker_id)
+        if holder is link:
+            return True
+        if holder is not None and self._member(holder):
+            self._stand_by(link, worker_id, holder.address, "serves it")
+            return False
+        rivals = sorted(
+            other.address
+            for other in self.links.values()
+            if other is not link and other.worker_id == worker_id and other.address < link.address
+        )
+        if rivals:
+            self._stand_by(link, worker_id, rivals[0], "reports it from a lower address")
+            return False
+        self.release(link)
+        self._serving[worker_id] = link
+        if (link.address, worker_id) in self._standing_by:
+            self._standing_by.discard((link.address, worker_id))
+            log.info("worker %r: now served through %s", worker_id, link.address)
+        return True
+
+    def _member(self, link: PlacementLink) -> bool:
+        """Whether ``link`` is still the pool's link for its address (not removed)."""
+        member: PlacementLink | None = self.links.get(link.address)
+        return member is link
+
+    def release(self, link: PlacementLink) -> None:
+        """``link`` holds no Run stream any more (lost, failed, closed)."""
+        for worker_id in [w for w, holder in self._serving.items() if holder is link]:
+            del self._serving[worker_id]
+
+    def _stand_by(self, link: PlacementLink, worker_id: str, other: str, why: str) -> None:
+        key = (link.address, worker_id)
+        if key not in self._standing_by:
+            self._standing_by.add(key)
+            log.warning(
+                "worker %r answers at %s, but %s %s (a second address of the same worker, an old "
+                "address still answering, or two workers given one --worker-id): %s stands by",
+                worker_id,
+                link.address,
+                other,
+                why,
+                link.address,
+            )
+
+    # ---- health and placement ------------------------------------------------------------------
 
     def healthy(self) -> list[L]:
         return [link for link in self.links.values() if link.healthy]
@@ -130,10 +252,19 @@ class WorkerPool(Generic[L]):
         for listener in self.health_listeners:
             listener(n > 0)
 
+    def placeable(self) -> dict[str, L]:
+        """The healthy links by worker id: one per id (the lowest address, should two healthy
+        links report one id, which ``claim`` prevents for links that claim)."""
+        chosen: dict[str, L] = {}
+        for link in sorted(self.healthy(), key=lambda candidate: candidate.address):
+            if link.worker_id:
+                chosen.setdefault(link.worker_id, link)
+        return chosen
+
     def rank(self, session_id: str) -> list[L]:
-        """The healthy links in the session's rendezvous order (best first)."""
-        healthy = {link.address: link for link in self.healthy()}
-        return [healthy[addr] for addr in rendezvous_rank(session_id, healthy)]
+        """The placeable links in the session's rendezvous order over worker ids (best first)."""
+        placeable = self.placeable()
+        return [placeable[worker_id] for worker_id in rendezvous_rank(session_id, placeable)]
 
     def pick(self, session_id: str) -> L:
         ranked = self.rank(session_id)
@@ -174,9 +305,10 @@ class WorkerPool(Generic[L]):
                 if err.code in _REFUSALS:
                     raise
                 log.warning(
-                    "session %s: attach to %s failed: %s (%s)",
+                    "session %s: attach to %s (%r) failed: %s (%s)",
                     session_id,
                     link.address,
+                    link.worker_id,
                     err.message,
                     err.status.name,
                 )

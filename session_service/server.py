@@ -31,6 +31,7 @@ from duplex.tls import ChannelCredentials, server_credentials
 from duplex.v1 import session_pb2_grpc
 from session_service.auth import authenticator_for
 from session_service.config import ServiceConfig
+from session_service.discovery import DnsTarget, WorkerDiscovery, parse_workers
 from session_service.placement import WorkerPool
 from session_service.plugin import DuplexModelPlugin
 from session_service.routing import Router, SessionRegistry
@@ -57,9 +58,24 @@ class SessionServer:
         self.auth = authenticator_for(config)
         self.registry = SessionRegistry()
         self.router = Router(self.registry)
+        # The workers: a static list, or a DNS name whose answers add and remove links.
+        workers = parse_workers(config.workers, max_workers=config.max_workers)
+        dns_target = workers if isinstance(workers, DnsTarget) else None
+        # A discovered worker is dialled at its address; its certificate carries the name.
+        self._tls_name = dns_target.host if dns_target is not None else None
+        self.discovery: WorkerDiscovery | None = None
         self.pool: WorkerPool[WorkerLink] = WorkerPool(
-            config.workers, link_factory=self._link, attach_timeout_s=config.attach_timeout_s
+            () if isinstance(workers, DnsTarget) else workers,
+            link_factory=self._link,
+            attach_timeout_s=config.attach_timeout_s,
         )
+        if dns_target is not None:
+            self.discovery = WorkerDiscovery(
+                dns_target,
+                self.pool.update,
+                interval_s=config.workers_resolve_interval_s,
+                max_workers=config.max_workers,
+            )
         self.manager = SessionManager(
             plugin=plugin,
             config=config,
@@ -86,13 +102,23 @@ class SessionServer:
             owner=self.config.replica_id,
             plugin=self.plugin,
             on_step=self.router.on_step,
-            on_lost=self.router.on_link_lost,
+            on_lost=self._link_lost,
             on_health=on_health,
             backoff_max_s=self.config.worker_backoff_max_s,
             stall_timeout_s=self.config.worker_stall_timeout_s,
             clock=self._clock,
             credentials=ChannelCredentials(tls) if tls is not None else None,
+            tls_name=self._tls_name,
+            # Late-bound: the pool calls this factory while it is being made.
+            claim=lambda link, worker_id: self.pool.claim(link, worker_id),
+            release=lambda link: self.pool.release(link),
         )
+
+    def _link_lost(self, link: WorkerLink) -> None:
+        self.router.on_link_lost(link)
+        # The worker may have moved: look again now (not for a link discovery itself removed).
+        if self.discovery is not None and self.pool.links.get(link.address) is link:
+            self.discovery.nudge()
 
     @property
     def address(self) -> str:
@@ -136,6 +162,8 @@ class SessionServer:
             self._health_server, self.health_port = await health.serve_plaintext(self.config.health_listen)
         self.pool.health_listeners.append(self._workers_changed)
         self.pool.start()
+        if self.discovery is not None:
+            self.discovery.start()
         log.info(
             "session service %s: plugin %s, workers %s, %s, %s",
             self.config.replica_id,
@@ -182,6 +210,8 @@ class SessionServer:
             await self._server.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(None)
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.pool.close()
         for task in list(self._tasks):
             task.cancel()

@@ -24,6 +24,12 @@ whatever this replica no longer holds on this link is released. Sessions with an
 flight on the link are not judged (``attaching``); an Attach that succeeds on a stream that is
 gone by then is released again, since placement will not use it.
 
+The worker's own id (``Describe``: ``worker_id``) is what placement ranks it by. Before a link
+opens its Run stream it asks its pool to ``claim`` that id: one link per worker id holds a
+stream (``placement.WorkerPool.claim``); a link refused stands by, asking again at its slowest
+reconnect pace. A link to a discovered address (``tls_name``) checks the worker's certificate
+against the name that was resolved, as gRPC's own DNS resolver would, not against the address.
+
 Messages that may reach a client never name the worker (its address) or carry gRPC's own
 text; those details are logged here instead.
 """
@@ -65,6 +71,32 @@ MAX_KEPT_RELEASES = 4096
 #: What a client is told when the session's worker cannot be reached; the details are logged.
 UNAVAILABLE_MESSAGE = "the session's worker is unavailable"
 
+#: Longest worker id a link accepts from ``Describe`` (as long as the worker's own ids).
+MAX_WORKER_ID_LENGTH = 128
+
+
+def worker_key(desc: worker_pb2.WorkerDescription, address: str) -> str:
+    """The id placement ranks a worker by: its ``worker_id``; a worker that reports none is
+    known by its address. Raises ``PluginLoadError`` for an id longer than
+    ``MAX_WORKER_ID_LENGTH`` or holding a control character."""
+    worker_id = desc.worker_id
+    if not worker_id:
+        return address
+    if len(worker_id) > MAX_WORKER_ID_LENGTH or not worker_id.isprintable():
+        raise PluginLoadError(
+            f"the worker's id is not usable (at most {MAX_WORKER_ID_LENGTH} printable characters): "
+            f"{worker_id[:MAX_WORKER_ID_LENGTH]!r}"
+        )
+    return worker_id
+
+
+def _always(link: WorkerLink, worker_id: str) -> bool:
+    return True
+
+
+def _nothing(link: WorkerLink) -> None:
+    pass
+
 
 def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
     """Worker channel options: gRPC's own reconnect backoff (1 s growing to 120 s by default)
@@ -103,10 +135,21 @@ class WorkerLink:
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         clock: Clock = MONOTONIC,
         credentials: ChannelCredentials | None = None,
+        tls_name: str | None = None,
+        claim: Callable[[WorkerLink, str], bool] = _always,
+        release: Callable[[WorkerLink], None] = _nothing,
     ) -> None:
         """``clock``: what the stall watchdog and the liveness record measure time on;
-        ``credentials``: TLS towards the worker (None: plaintext)."""
+        ``credentials``: TLS towards the worker (None: plaintext); ``tls_name``: the name the
+        worker's certificate must carry (None: the address's host); ``claim`` / ``release``:
+        the pool's one-link-per-worker-id rule (``placement.WorkerPool.claim``)."""
         self.address = address
+        self._tls_name = tls_name
+        self._claim = claim
+        self._release = release
+        self.worker_id: str | None = None
+        """The worker's id from its last ``Describe``; None before and once the link failed
+        (a link standing by keeps it: its worker answers)."""
         self._clock = clock
         WORKER_STALLS.labels(worker=address)  # present at 0 from the start, for alerts
         self.owner = owner
@@ -150,7 +193,10 @@ class WorkerLink:
         if self._credentials is None:
             return grpc.aio.insecure_channel(self.address, options=options)
         self._channel_credentials = self._credentials.current()
-        return grpc.aio.secure_channel(self.address, self._channel_credentials, options=options)
+        secure_options: list[tuple[str, int | str]] = [*options]
+        if self._tls_name is not None:
+            secure_options.append(("grpc.ssl_target_name_override", self._tls_name))
+        return grpc.aio.secure_channel(self.address, self._channel_credentials, options=secure_options)
 
     async def _renew_channel(self) -> None:
         """Before a reconnect: a new channel when the TLS files changed since this one was made
@@ -167,7 +213,9 @@ class WorkerLink:
         self._task = asyncio.create_task(self._run(), name=f"worker-link-{self.address}")
 
     async def close(self) -> None:
+        """Stop the link: unhealthy at once (its sessions hear of it now), then the stream ends."""
         self._stopping = True
+        self._lose()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -267,12 +315,18 @@ class WorkerLink:
         backoff = BACKOFF_INITIAL_S
         while not self._stopping:
             opened = self.generation
+            standing_by = False
             try:
                 await self._renew_channel()
                 desc = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0)
                 check_worker(self._plugin, desc)
+                worker_id = worker_key(desc, self.address)
                 self.description = desc
-                await self._serve_stream()
+                self.worker_id = worker_id
+                if self._claim(self, worker_id):
+                    await self._serve_stream()
+                else:
+                    standing_by = True  # another link serves this worker (the pool logged it)
             except asyncio.CancelledError:
                 raise
             except PluginLoadError as err:
@@ -285,11 +339,16 @@ class WorkerLink:
                 log.exception("worker %s: link failed", self.address)
             finally:
                 self._lose()
+                if not standing_by:
+                    self.worker_id = None
             if self.generation != opened:
                 backoff = BACKOFF_INITIAL_S  # the stream ran: a fresh failure starts over
             # Jittered exponential backoff: a restarting worker is not stampeded by every replica.
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(self._backoff_max_s, backoff * 2)
+            # Standing by, the link asks again at the slowest pace: the serving link is up.
+            wait = self._backoff_max_s if standing_by else backoff
+            await asyncio.sleep(wait * (0.5 + random.random()))
+            if not standing_by:
+                backoff = min(self._backoff_max_s, backoff * 2)
 
     async def _serve_stream(self) -> None:
         call = self._stub.Run()
@@ -311,8 +370,9 @@ class WorkerLink:
             self._wake.set()
         self._on_health()
         log.info(
-            "worker %s: Run stream open (model %s)",
+            "worker %s: Run stream open (worker %r, model %s)",
             self.address,
+            self.worker_id,
             self.description.model_id if self.description else "?",
         )
         # Reader, sender and watchdog: the first of them to end (an error, EOF, a stall) ends
@@ -422,6 +482,7 @@ class WorkerLink:
     def _lose(self) -> None:
         was = self._healthy
         self._healthy = False
+        self._release(self)  # this link holds no stream: another address of its worker may
         pending, self._pending = self._pending, _Pending()
         self._keep(pending.release)  # unsent: first thing on the next stream
         for fut in pending.futures:

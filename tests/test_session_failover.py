@@ -107,6 +107,16 @@ class Stack:
     def addresses(self) -> list[str]:
         return [w.grpc for w in self.workers]
 
+    def choice(self, session_id: str) -> int:
+        """The worker rendezvous placement chooses for the session when both are healthy: by
+        the workers' own ids (what their Describe said; a link keeps it after a loss)."""
+        ids = []
+        for address in self.addresses:
+            description = self.session.pool.links[address].description
+            assert description is not None
+            ids.append(description.worker_id)
+        return ids.index(rendezvous_pick(session_id, ids) or "")
+
     def kill(self, i: int) -> None:
         """SIGKILL worker ``i``: no drain, no goodbye, its streams just break."""
         proc = self.workers[i].proc
@@ -288,7 +298,7 @@ async def test_killed_worker_fails_only_its_sessions_which_go_on_elsewhere(stack
             conv = Conversation(ch).start(open_session())
             sid = (await conv.wait_kind("opened")).opened.session_id
             convs.append(conv)
-            on[stack.addresses.index(rendezvous_pick(sid, stack.addresses) or "")].append(conv)
+            on[stack.choice(sid)].append(conv)
         assert (stack.placed(0), stack.placed(1)) == (len(on[0]), len(on[1]))
         victims, survivors = on[0], on[1]
         talking_victims, talking_survivors = victims[:2], survivors[:2]
@@ -364,6 +374,7 @@ async def test_placement_health_and_reconnect_after_worker_loss() -> None:
     async with contextlib.AsyncExitStack() as workers_up:
         workers = [await workers_up.enter_async_context(worker_server()) for _ in range(2)]
         both = [w.address for w in workers]
+        ids = [w.config.worker_id for w in workers]  # placement ranks workers by their ids
         async with (
             session_server(both, runner=RUNNER, clock_speed=4.0, worker_backoff_max_s=0.5) as server,
             grpc.aio.insecure_channel(server.address) as ch,
@@ -380,7 +391,7 @@ async def test_placement_health_and_reconnect_after_worker_loss() -> None:
                 conv = Conversation(ch).start(open_session())
                 sid = (await conv.wait_kind("opened")).opened.session_id
                 convs.append(conv)
-                if rendezvous_pick(sid, both) == both[dead]:
+                if rendezvous_pick(sid, ids) == ids[dead]:
                     homeless.append(conv)
             assert (placed(dead), placed(alive)) == (0, len(convs))
             talkers = [homeless[0], next(c for c in convs if c is not homeless[0])]
@@ -453,7 +464,7 @@ async def open_until(
         conv = Conversation(ch).start(open_session())
         opened.append(conv)
         sid = (await conv.wait_kind("opened")).opened.session_id
-        if want(stack.addresses.index(rendezvous_pick(sid, stack.addresses) or "")):
+        if want(stack.choice(sid)):
             return conv, opened
     raise AssertionError("rendezvous placement never chose the wanted worker")
 
@@ -478,7 +489,7 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
                 conv, opened = await open_until(ch, stack, lambda _i: True)
                 convs.extend(opened)
                 sid = conv.events[0].opened.session_id
-                on[stack.addresses.index(rendezvous_pick(sid, stack.addresses) or "")].append(conv)
+                on[stack.choice(sid)].append(conv)
                 assert len(convs) < 24
             assert (stack.placed(0), stack.placed(1)) == (len(on[0]), len(on[1]))
             victims, survivors = on[0], on[1]
@@ -554,6 +565,7 @@ class _PlaceLink:
 
     def __init__(self, address: str, on_health: Callable[[], None]) -> None:
         self.address = address
+        self.worker_id = address  # placement ranks workers by their ids
         self.healthy = True
         self.generation = 1
         self.outcome: Outcome = lambda _link: 1

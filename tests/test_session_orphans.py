@@ -417,6 +417,7 @@ def _unreachable() -> DuplexError:
 class _PlaceLink:
     def __init__(self, address: str, on_health: Callable[[], None]) -> None:
         self.address = address
+        self.worker_id = address  # placement ranks workers by their ids
         self.healthy = True
         self.generation = 1
         self.outcome: Callable[[_PlaceLink], int | DuplexError] = lambda _l: 1

@@ -75,8 +75,9 @@ async def test_sixteen_sessions_each_get_only_their_own_reply(stack: InProcessSt
         # Sessions spread over both workers: rendezvous placement, visible in the placement gauge
         # (only the session tier writes it, per worker address; compared with before, as earlier
         # tests in this process may have left their value on a reused port).
-        placement = {rendezvous_pick(sid, workers) for sid in ids}
-        assert placement == set(workers)
+        worker_ids = [w.config.worker_id for w in stack.workers]  # placement ranks by worker id
+        placement = {rendezvous_pick(sid, worker_ids) for sid in ids}
+        assert placement == set(worker_ids)
         for w in workers:
             assert sample("duplex_session_worker_sessions", {"worker": w}) - placed_before[w] >= 1, w
         await asyncio.gather(

@@ -579,6 +579,7 @@ async def test_rotated_certificates_are_used_after_a_reconnect(pki: Pki) -> None
 async def test_placement_passes_session_closed_through() -> None:
     class ClosedLink:
         address = "w:1"
+        worker_id = "w-1"
         generation = 1
         healthy = True
 
