@@ -428,6 +428,10 @@ class Session:
         self.seq = SeqCounter()
         self.acked_seq = 0
         self.active_response_id = ""
+        self.last_event_id = ""
+        """The id of the last server event received (sent with a resume, so ids never repeat)."""
+        self.last_response: session_pb2.LastResponse | None = None
+        """After a resume: what the server says became of the session's last response."""
         self.closed_reason: str | None = None
         self.go_away: session_pb2.GoAway | None = None
         self._apply_opened(opened.opened, first=True)
@@ -471,12 +475,15 @@ class Session:
         self.session_id = opened.session_id
         self.epoch = opened.epoch
         self.resume_token = opened.resume_token
+        self.last_response = opened.last_response if opened.HasField("last_response") else None
         self.capabilities.CopyFrom(opened.capabilities)
         self.config.CopyFrom(opened.config)
 
     async def _track(self, ev: session_pb2.ServerEvent) -> None:
         """Keep the session's view of epoch, acks, responses and tokens current."""
         kind = event_kind(ev)
+        if ev.event_id.startswith("se_"):
+            self.last_event_id = ev.event_id
         if kind == "input_ack":
             if ev.input_ack.epoch == self.epoch:
                 async with self._acks:
@@ -490,9 +497,13 @@ class Session:
                 self._acks.notify_all()
         elif kind == "response_started":
             self.active_response_id = ev.response_started.response_id
+            if ev.response_started.resume_token:
+                self.resume_token = ev.response_started.resume_token
         elif kind == "response_done":
             if ev.response_done.response_id == self.active_response_id:
                 self.active_response_id = ""
+            if ev.response_done.resume_token:
+                self.resume_token = ev.response_done.resume_token
         elif kind == "updated":
             self.config.CopyFrom(ev.updated.config)
         elif kind == "go_away":
@@ -563,7 +574,11 @@ class Session:
         for attempt in range(self.resume_attempts):
             first = session_pb2.ClientEvent(
                 event_id=self._client.next_event_id(),
-                resume=session_pb2.SessionResume(session_id=self.session_id, resume_token=self.resume_token),
+                resume=session_pb2.SessionResume(
+                    session_id=self.session_id,
+                    resume_token=self.resume_token,
+                    last_event_id=self.last_event_id,
+                ),
             )
             try:
                 call, opened = await self._client._start(first, timeout_s=10.0, connect_timeout_s=2.0)

@@ -39,6 +39,10 @@ class RunnerConfig:
     been handed to the worker but not yet consumed by it (``RequestUpdate.input_seq``), input
     acks are held and released as the worker catches up. A client that waits for acks then
     never overruns the worker's per-request input queue. 0 = ack on hand-off, never hold."""
+    turn_failover: bool = True
+    """When the model can be replayed (``DuplexModelPlugin.replayable``): keep the current
+    turn's input so that a worker lost mid-turn costs the user nothing (``session_service.replay``);
+    off, a lost worker fails the turn."""
 
 
 @dataclass(frozen=True, slots=True)

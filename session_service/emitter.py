@@ -28,12 +28,13 @@ class Emitter:
     def __init__(self, outbound: Outbound, clock: Clock) -> None:
         self.outbound = outbound
         self._clock = clock
-        self._count = 0
+        self.count = 0
+        """Events numbered so far (a session taken over continues from its token's count)."""
 
     def event(self, which: str, msg: Any) -> session_pb2.ServerEvent:
         """A numbered event with ``which`` set to ``msg``, not queued."""
-        self._count += 1
-        return session_pb2.ServerEvent(event_id=f"se_{self._count}", **{which: msg})
+        self.count += 1
+        return session_pb2.ServerEvent(event_id=f"se_{self.count}", **{which: msg})
 
     def emit(self, which: str, msg: Any) -> None:
         """Queue an event that is always delivered (lifecycle, acks, errors)."""
@@ -41,8 +42,8 @@ class Emitter:
 
     def emit_output(self, event: session_pb2.ServerEvent, epoch: int) -> None:
         """Queue response output built by the data plane; it dies with ``epoch``."""
-        self._count += 1
-        event.event_id = f"se_{self._count}"
+        self.count += 1
+        event.event_id = f"se_{self.count}"
         self.outbound.put(event, epoch=epoch)
 
     def error(self, err: DuplexError, event_id: str = "") -> None:
@@ -57,8 +58,8 @@ class Emitter:
         """``input_ack`` events, with the append-to-ack latency of every append they cover."""
         for ack in acks:
             # Built in place: no intermediate message to copy (this runs once per client chunk).
-            self._count += 1
-            ev = session_pb2.ServerEvent(event_id=f"se_{self._count}")
+            self.count += 1
+            ev = session_pb2.ServerEvent(event_id=f"se_{self.count}")
             ev.input_ack.seq = ack.seq
             ev.input_ack.epoch = ack.epoch
             self.outbound.put(ev)

@@ -48,6 +48,12 @@ class Mailbox(Generic[T]):
         self._readable.set()
         return True
 
+    def put_control(self, item: T) -> None:
+        """Queue an item of the runner's own (at most one of a kind waits at a time), whatever
+        the bounds: it must not be lost to a client filling the mailbox."""
+        self._items.append((item, 0))
+        self._readable.set()
+
     async def put(self, item: T, size: int = 0) -> None:
         """Queue ``item``, waiting while it does not fit (backpressure to the sender)."""
         while not self.put_nowait(item, size):

@@ -75,6 +75,22 @@ RECONCILED: Final = Counter(
     "Sessions a worker listed as held for this replica on a new Run stream that this replica no "
     "longer held on it (closed or moved while the link was down), released there.",
 )
+FAILOVERS: Final = Counter(
+    "duplex_session_turn_failovers",
+    "Sessions moved off a lost or hung worker with their turn's input replayed on another, by "
+    "result: replayed (the input is on the new worker), unavailable (no worker took it: the "
+    "turn failed), not_replayable (the model cannot be replayed: the turn failed).",
+    ["result"],
+)
+REPLAYED_FRAMES: Final = Counter(
+    "duplex_session_replayed_frames", "Worker frames of input replayed on a new worker after a failover."
+)
+RESTARTED_RESPONSES: Final = Counter(
+    "duplex_session_restarted_responses",
+    "Responses restarted for the same turn, by cause: worker_lost (the worker streaming it was "
+    "lost), resumed (the replica streaming it was lost and the session resumed here).",
+    ["cause"],
+)
 
 # Known label values exist from the start, so rate() alerts see a zero series (the drop
 # reasons are created with their table, session_service.worker_output.DropReason).
@@ -82,6 +98,10 @@ for _stage in ("ack", "first_audio"):
     FRAME_LATENCY.labels(stage=_stage)
 for _result in ("ok", "empty", "failed"):
     RESOLUTIONS.labels(result=_result)
+for _result in ("replayed", "unavailable", "not_replayable"):
+    FAILOVERS.labels(result=_result)
+for _cause in ("worker_lost", "resumed"):
+    RESTARTED_RESPONSES.labels(cause=_cause)
 
 
 class Children(dict[str, Any]):

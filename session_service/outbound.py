@@ -3,6 +3,12 @@
 Every event for a client passes through ONE queue, so nothing can overtake ``audio_cancelled``.
 When the epoch advances the queue drops audio of older epochs still waiting in it, and the
 consumer checks the epoch once more as it takes an event out (belt and braces).
+
+A resume re-attaches the queue to a new stream. The stream it displaces may be writing an event
+it took just before (a write is an await); the new stream takes nothing until that write is
+done, so nothing the old stream sends can follow what the new one sends (an ``audio_cancelled``
+on the new stream is never followed by older audio on the old one). A displaced stream that does
+not finish its write within ``HANDOVER_TIMEOUT_S`` (its client stopped reading) is cut off.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ class _Item:
     size: int
 
 
+#: How long a new stream waits for the stream it displaced to finish its last write.
+HANDOVER_TIMEOUT_S = 1.0
+
+
 class OutboundOverflow(Exception):
     """The client stopped reading: its queue passed the limit."""
 
@@ -43,6 +53,11 @@ class Outbound:
         self._attachment = 0
         self._farewells: dict[int, session_pb2.ServerEvent] = {}
         self._closed = False
+        self._writer = 0
+        """The attachment whose last taken event may still be being written (0: none)."""
+        self._written = asyncio.Event()
+        self._written.set()
+        self._cut_offs: dict[int, Callable[[], None]] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -86,14 +101,49 @@ class Outbound:
     def current_attachment(self) -> int:
         return self._attachment
 
-    def attach(self, *, farewell: session_pb2.ServerEvent | None = None) -> int:
+    def attach(
+        self,
+        *,
+        farewell: session_pb2.ServerEvent | None = None,
+        cut_off: Callable[[], None] | None = None,
+    ) -> int:
         """A new stream takes over consumption; the previous consumer gets ``farewell`` (when
-        given) as its last event at its next get, then None."""
+        given) as its last event at its next get, then None. ``cut_off`` ends the new stream's
+        call should it, once displaced in turn, not finish a write in time."""
         if farewell is not None and self._attachment:
             self._farewells[self._attachment] = farewell
         self._attachment += 1
+        if cut_off is not None:
+            self._cut_offs[self._attachment] = cut_off
         self._wake.set()
         return self._attachment
+
+    def detached(self, attachment: int) -> None:
+        """The stream holding ``attachment`` ended: it writes nothing more."""
+        self._cut_offs.pop(attachment, None)
+        self._farewells.pop(attachment, None)
+        self._wrote(attachment)
+
+    def _wrote(self, attachment: int) -> None:
+        if self._writer == attachment:
+            self._writer = 0
+            self._written.set()
+
+    async def _handover(self, attachment: int) -> None:
+        """Wait until no displaced stream is still writing (or cut it off)."""
+        writer = self._writer
+        if writer in (0, attachment):
+            return
+        try:
+            async with asyncio.timeout(HANDOVER_TIMEOUT_S):
+                while self._writer not in (0, attachment):
+                    self._written.clear()
+                    await self._written.wait()
+        except TimeoutError:
+            cut_off = self._cut_offs.pop(writer, None)
+            if cut_off is not None:
+                cut_off()
+            self._wrote(writer)
 
     def close(self, *, drop: bool = False) -> None:
         """No more events; consumers drain what is queued (or nothing, with ``drop``: the memory
@@ -105,12 +155,20 @@ class Outbound:
         self._wake.set()
 
     async def get(self, attachment: int) -> session_pb2.ServerEvent | None:
-        """The next event for the stream holding ``attachment``; None when it should end."""
+        """The next event for the stream holding ``attachment``; None when it should end.
+
+        A stream calls it again only once it has written the event it got before: that is how
+        the queue knows a displaced stream's last write is done."""
+        self._wrote(attachment)
         while True:
             if attachment != self._attachment:
                 return self._farewells.pop(attachment, None)
+            await self._handover(attachment)
+            if attachment != self._attachment:
+                continue
             event = self.get_nowait()
             if event is not None:
+                self._writer = attachment
                 return event
             if self._closed:
                 return None

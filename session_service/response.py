@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from duplex.clock import Clock
 from duplex.v1 import session_pb2
 from session_service.plugin import ResponseProjection
+from session_service.replay import Marker
 
 #: The least a client may fall behind real time before silence is fed in its place.
 MIN_ALLOWANCE_S = 0.1
@@ -125,6 +127,10 @@ class ActiveResponse:
     """Whether audio of it was sent yet."""
     feeder: SilenceFeeder | None = None
     """Silence continuation, for a lockstep model."""
+    params: dict[str, Any] | None = None
+    """Its per-response model options (``response_create.extra_body``), for a restart."""
+    mark: Marker | None = None
+    """The commit point of the input it answers in the session's replay log (None: none kept)."""
 
     def started(self) -> session_pb2.ResponseStarted:
         return session_pb2.ResponseStarted(

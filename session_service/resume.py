@@ -22,13 +22,16 @@ refused with ``UNAUTHENTICATED/invalid_resume_token``. The taking-over replica r
 Claims: ``sid`` session id, ``iat`` issue time (Unix seconds), ``p`` principal, ``m`` plugin
 id, ``s`` settings (``i``/``o`` input/output format as ``[encoding, rate, channels]``, ``td``
 turn detection as ``[auto_respond, silence_ms, barge_in]``, ``ins`` instructions, ``mod``
-modalities, ``idle`` idle timeout), ``x`` client ``extra_body``.
+modalities, ``idle`` idle timeout), ``x`` client ``extra_body``, ``g`` the session's progress
+(``[turn id, server events numbered, last response id, its status]``: what a replica that takes
+the session over continues from, and tells the resumed caller).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hmac
 import json
 import logging
@@ -173,6 +176,20 @@ class ResumeTokenTooLargeError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class SessionProgress:
+    """How far a session had got when its token was issued (claim ``g``)."""
+
+    turn_id: int = 0
+    """The highest turn id used."""
+    events: int = 0
+    """Server events numbered so far (``se_1`` .. ``se_<events>``)."""
+    last_response_id: str = ""
+    """The session's last response ("" before the first)."""
+    last_response_status: int = 0
+    """Its ``ResponseStatus`` (UNSPECIFIED: it had not ended)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeClaims:
     """What a resume token says about its session."""
 
@@ -187,15 +204,26 @@ class ResumeClaims:
     """None only in a bare token (``resume_token``), which cannot take a session over."""
     extra_body: Mapping[str, object] = field(default_factory=dict)
     """Client-visible runtime options, as a client would send them in ``open.extra_body``."""
+    progress: SessionProgress = field(default_factory=SessionProgress)
+    """Turn and event numbering and the last response, as they were at issue."""
 
     def same_state(self, other: ResumeClaims) -> bool:
-        """Whether both describe the same session state (the issue time aside)."""
-        return (self.session_id, self.principal, self.model, self.settings, dict(self.extra_body)) == (
+        """Whether both describe the same session state (the issue time aside, and the event
+        count: a lower bound is enough, the client names its last event when it resumes)."""
+        return (
+            self.session_id,
+            self.principal,
+            self.model,
+            self.settings,
+            dict(self.extra_body),
+            dataclasses.replace(self.progress, events=0),
+        ) == (
             other.session_id,
             other.principal,
             other.model,
             other.settings,
             dict(other.extra_body),
+            dataclasses.replace(other.progress, events=0),
         )
 
 
@@ -249,6 +277,9 @@ def issue(keys: ResumeKeys, claims: ResumeClaims) -> str:
         body["s"] = _settings_claim(claims.settings)
     if claims.extra_body:
         body["x"] = dict(claims.extra_body)
+    g = claims.progress
+    if g != SessionProgress():
+        body["g"] = [g.turn_id, g.events, g.last_response_id, g.last_response_status]
     raw = json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
     token = keys.seal(raw.encode())
     if len(token) > MAX_TOKEN_CHARS:
@@ -335,6 +366,7 @@ def decode(
             model=_str(body.get("m", "")),
             settings=_parse_settings(body["s"]) if "s" in body else None,
             extra_body=_extra(body.get("x", {})),
+            progress=_parse_progress(body["g"]) if "g" in body else SessionProgress(),
         )
     except (ValueError, KeyError, TypeError, DuplexError) as exc:
         # Authentic but unreadable: a bug or an incompatible issuer, never the client's doing.
@@ -347,6 +379,14 @@ def decode(
     if t - claims.issued_at > max_age_s:
         raise InvalidResumeTokenError("resume token expired")
     return claims
+
+
+def _parse_progress(v: object) -> SessionProgress:
+    turn, events, response_id, status = _list(v, 4)
+    progress = SessionProgress(_int(turn), _int(events), _str(response_id), _int(status))
+    if min(progress.turn_id, progress.events, progress.last_response_status) < 0:
+        raise ValueError("negative progress")
+    return progress
 
 
 def _extra(v: object) -> dict[str, object]:
@@ -410,6 +450,7 @@ def claims_for(
     client_extra: Mapping[str, object] | None = None,
     principal: str = "",
     now: float | None = None,
+    progress: SessionProgress | None = None,
 ) -> ResumeClaims:
     """The claims describing a session now (``source``: its runner, or its settings)."""
     if isinstance(source, SessionSettings):
@@ -426,6 +467,7 @@ def claims_for(
         model=plugin.plugin_id,
         settings=settings,
         extra_body=client_extra_body(plugin, runtime, client_extra),
+        progress=progress or SessionProgress(),
     )
 
 

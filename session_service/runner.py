@@ -42,10 +42,27 @@ from session_service.lifecycle import (
     TurnStatus,
 )
 from session_service.mailbox import Mailbox
-from session_service.metrics import DROPPED, EVENTS_IN, MAILBOX_FULL, SILENCE_FRAMES, WORKER_SESSIONS
+from session_service.metrics import (
+    DROPPED,
+    EVENTS_IN,
+    FAILOVERS,
+    MAILBOX_FULL,
+    REPLAYED_FRAMES,
+    RESTARTED_RESPONSES,
+    SILENCE_FRAMES,
+    WORKER_SESSIONS,
+)
 from session_service.outbound import Outbound, OutboundOverflow
-from session_service.plugin import Capabilities, DuplexModelPlugin, FramePacketizer, SessionSettings
+from session_service.plugin import (
+    Capabilities,
+    DuplexModelPlugin,
+    FramePacketizer,
+    ReplayStep,
+    SessionSettings,
+)
+from session_service.replay import Marker, ReplayLog
 from session_service.response import ActiveResponse, InputTimeline, SilenceFeeder
+from session_service.resume import SessionProgress
 from session_service.settings import settings_from_proto, struct_to_dict
 from session_service.worker_output import DropReason, WorkerOutput
 
@@ -57,6 +74,14 @@ CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
 COMPLETED = session_pb2.RESPONSE_STATUS_COMPLETED
 CANCELLED = session_pb2.RESPONSE_STATUS_CANCELLED
 FAILED = session_pb2.RESPONSE_STATUS_FAILED
+INTERRUPTED = session_pb2.RESPONSE_STATUS_INTERRUPTED
+ACTIVE = session_pb2.RESPONSE_STATUS_UNSPECIFIED
+"""A response that has not ended (in ``last_response``)."""
+#: Frames per APPEND of a replay (a replay is many frames; one message per frame would be waste).
+REPLAY_APPEND_FRAMES = 64
+#: How long a session that lost its worker keeps trying to place itself on another before the
+#: interrupted turn is given up (a few tries: links come back, the pool re-resolves).
+RECOVER_DELAYS_S = (0.0, 0.2, 0.5, 1.0)
 
 #: Close reasons after which the session is over (its worker tombstones it; its token is dead).
 #: A drained or fenced session lives on elsewhere.
@@ -98,10 +123,29 @@ class _Wake:
 
 
 @dataclass(slots=True)
+class _Recover:
+    """The session lost its worker: move to another one (replaying the turn's input there) and
+    restart the interrupted response, unless a client event did it first."""
+
+
+@dataclass(slots=True)
 class _Silence:
     """The silence feeder asks for a frame for ``response``."""
 
     response: ActiveResponse
+
+
+@dataclass(slots=True)
+class _Restart:
+    """A response to start again for its turn (its worker or replica was lost mid-reply)."""
+
+    turn_id: int
+    params: dict[str, Any] | None
+    """Its per-response options (``response_create.extra_body``), if any."""
+    mark: Marker | None
+    """The commit point of the input it answers, in the replay log."""
+    cause: str
+    """"worker_lost" or "resumed" (the metric label)."""
 
 
 @dataclass(slots=True)
@@ -114,6 +158,9 @@ class RunnerDeps:
     placer: Placer
     on_closed: Callable[[SessionRunner], None] = field(default=lambda _r: None)
     clock: Clock = MONOTONIC
+    issue_token: Callable[[SessionRunner], str] = field(default=lambda r: r.resume_token)
+    """A fresh resume token for the runner as it is now (``response_started`` and
+    ``response_done`` carry one, so a client always holds one that knows its last response)."""
 
 
 class SessionRunner:
@@ -130,7 +177,10 @@ class SessionRunner:
         resume_token: str,
         deps: RunnerDeps,
         principal: str = ANONYMOUS,
+        progress: SessionProgress | None = None,
     ) -> None:
+        """``progress``: where a session taken over from another replica had got (its token's),
+        so turn and event numbering continue and an interrupted response restarts."""
         self.session_id = session_id
         self.principal = principal
         """Who opened the session: only they may resume it."""
@@ -166,7 +216,7 @@ class SessionRunner:
         )
         self.emitter = Emitter(self.outbound, self._clock)
         self._output = WorkerOutput(self, plugin, self._clock)
-        self._mailbox: Mailbox[_Inbound | _Silence | _Wake] = Mailbox(
+        self._mailbox: Mailbox[_Inbound | _Silence | _Recover | _Wake] = Mailbox(
             max_items=cfg.mailbox_size, max_bytes=cfg.max_buffer_bytes
         )
         self._detached_at: float | None = None
@@ -183,6 +233,28 @@ class SessionRunner:
         self._frame_period = plugin.frame_samples / plugin.worker_format.sample_rate_hz
         self.acks = AckWindow(hold_ms=cfg.max_unconsumed_input_ms, frame_ms=1000.0 * self._frame_period)
         self._fence_cache = Fence(session_id, epoch, 0)
+        self._issue_token = deps.issue_token
+        self._replayable = plugin.replayable and cfg.turn_failover
+        wfmt = plugin.worker_format
+        window = int(plugin.replay_window_s * wfmt.sample_rate_hz) * wfmt.frame_bytes
+        self.replay = ReplayLog(max_bytes=max(self._frame_bytes, min(window, cfg.max_buffer_bytes)))
+        """The current turn's input, kept to rebuild it on another worker (``session_service.replay``)."""
+        self._restart: _Restart | None = None
+        """A response interrupted by the loss of its worker (or replica), to restart for its turn."""
+        self.last_response: tuple[str, int, int] | None = None
+        """(response id, turn id, ``ResponseStatus``; ACTIVE while it runs) of the last response."""
+        if progress is not None:
+            self.turn_id = progress.turn_id
+            self.emitter.count = progress.events
+            if progress.last_response_id:
+                status = progress.last_response_status
+                if status == ACTIVE:
+                    # It had not ended when the replica streaming it was lost.
+                    status = INTERRUPTED
+                    if self._replayable:
+                        # The worker still holds the committed input (the token named it).
+                        self._restart = _Restart(progress.turn_id, None, None, "resumed")
+                self.last_response = (progress.last_response_id, progress.turn_id, status)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -196,6 +268,8 @@ class SessionRunner:
         return self.acks.unconsumed
 
     def start(self) -> None:
+        if self._restart is not None:  # taken over mid-reply: restart it first
+            self._mailbox.put_control(_Recover())
         self._task = asyncio.create_task(self._run(), name=f"session-{self.session_id}")
 
     async def post(self, event: session_pb2.ClientEvent, received: float | None = None) -> None:
@@ -233,21 +307,48 @@ class SessionRunner:
                     capabilities=self._caps.to_proto(),
                     resume_token=self.resume_token,
                     config=self.settings.to_proto(),
+                    last_response=self._last_response_proto(),
+                    turn_id=self.turn_id,
                 ),
             )
         )
 
-    def attach_stream(self, *, on_slow_consumer: Callable[[], None] | None = None) -> int:
+    def _last_response_proto(self) -> session_pb2.LastResponse | None:
+        if self.last_response is None:
+            return None
+        response_id, turn_id, status = self.last_response
+        return session_pb2.LastResponse(
+            response_id=response_id, turn_id=turn_id, status=session_pb2.ResponseStatus.ValueType(status)
+        )
+
+    def progress(self) -> SessionProgress:
+        """How far the session has got (what its resume token records)."""
+        response_id, _, status = self.last_response or ("", 0, ACTIVE)
+        return SessionProgress(
+            turn_id=self.turn_id,
+            events=self.emitter.count,
+            last_response_id=response_id,
+            last_response_status=int(status),
+        )
+
+    def attach_stream(
+        self,
+        *,
+        on_slow_consumer: Callable[[], None] | None = None,
+        cut_off: Callable[[], None] | None = None,
+    ) -> int:
         """A client stream takes over the session's output (an open, or a resume); a stream it
-        displaces is told ``closed{reason="resumed_elsewhere"}`` before it ends.
+        displaces is told ``closed{reason="resumed_elsewhere"}`` before it ends, and the new one
+        gets nothing until the displaced one's last write is done (``Outbound``).
         ``on_slow_consumer`` is called if this stream's client stops reading and the session is
-        closed for it (the servicer ends the call)."""
+        closed for it; ``cut_off`` if, displaced in turn, it does not finish a write in time
+        (the servicer ends the call in both cases)."""
         self._detached_at = None
         self._on_slow_consumer = on_slow_consumer
         farewell = None
         if self.outbound.current_attachment:
             farewell = self.emitter.event("closed", session_pb2.SessionClosed(reason="resumed_elsewhere"))
-        return self.outbound.attach(farewell=farewell)
+        return self.outbound.attach(farewell=farewell, cut_off=cut_off)
 
     def detach(self) -> None:
         """The client's stream ended without ``close``: the session waits ``detached_grace_s``
@@ -276,6 +377,8 @@ class SessionRunner:
                 try:
                     if isinstance(item, _Silence):
                         await self._on_silence(item.response)
+                    elif isinstance(item, _Recover):
+                        await self._recover()
                     else:
                         await self._dispatch(item)
                 except DuplexError as err:
@@ -296,7 +399,7 @@ class SessionRunner:
             if not self.closed:
                 self._close("internal_error")
 
-    async def _next_item(self) -> _Inbound | _Silence | None:
+    async def _next_item(self) -> _Inbound | _Silence | _Recover | None:
         item = self._mailbox.get_nowait()
         if item is not None:  # the common case under load: no timer, no suspension
             return None if isinstance(item, _Wake) else item
@@ -389,20 +492,21 @@ class SessionRunner:
         frames = res.frames
         try:
             if frames:
-                wseq = self._worker_seq + 1
-                params = self._take_options()
-                subs = self._plugin.plan_append(
-                    request_id=self.session_id, fence=fence, seq=wseq, frames=frames, params=params
-                )
                 try:
-                    await self._submit(link, subs)
-                except BaseException:
-                    if params is not None:
-                        self.options_status = OptionsStatus.PENDING
-                    raise
+                    wseq = await self._append_frames(link, fence, frames)
+                except UnavailableError:
+                    if not (self._replayable and self.link is not link and self.epoch == fence.epoch):
+                        raise
+                    # Lost with its worker mid-write: the session moves (the turn's input is
+                    # replayed there) and the append goes to the new worker.
+                    link = await self._bound_link()
+                    fence = self._fence()
+                    wseq = await self._append_frames(link, fence, frames)
                 if self.epoch == fence.epoch:
                     self._worker_seq = wseq
-                    if self.link is link:  # else its worker is gone, and the input with it
+                    # Kept even when its worker was lost meanwhile: the move replays it.
+                    self.replay.appended(frames, epoch=fence.epoch, seq=wseq)
+                    if self.link is link:  # else its worker is gone (the replay hands it on again)
                         self.acks.handed_on(wseq, len(frames) // self._frame_bytes)
         except BaseException:
             res.rollback()
@@ -417,6 +521,21 @@ class SessionRunner:
             self.emitter.acks(self.acks.ack(ap.seq, fence.epoch, received))
         else:  # cancelled meanwhile: the ack of an older epoch holds nothing back
             self.emitter.acks((Ack(ap.seq, fence.epoch, (received,)),))
+
+    async def _append_frames(self, link: WorkerHandle, fence: Fence, frames: bytes) -> int:
+        """Write one APPEND of ``frames`` under the next worker seq; returns the seq."""
+        wseq = self._worker_seq + 1
+        params = self._take_options()
+        subs = self._plugin.plan_append(
+            request_id=self.session_id, fence=fence, seq=wseq, frames=frames, params=params
+        )
+        try:
+            await self._submit(link, subs)
+        except BaseException:
+            if params is not None:
+                self.options_status = OptionsStatus.PENDING
+            raise
+        return wseq
 
     def _check_append(self, ap: session_pb2.InputAudioAppend) -> None:
         fmt = self.settings.input_format
@@ -471,7 +590,10 @@ class SessionRunner:
         res.commit()
         if frames and self.epoch == fence.epoch:
             self._worker_seq += 1
+            self.replay.appended(frames, epoch=fence.epoch, seq=self._worker_seq)
             self._handed_on(link, self._worker_seq, len(frames) // self._frame_bytes)
+        if self.epoch == fence.epoch:
+            self.replay.committed()
         samples = (
             self.state.input_since_commit_samples + len(frames) // self._plugin.worker_format.frame_bytes
         )
@@ -486,6 +608,7 @@ class SessionRunner:
             request_id=self.session_id, fence=self._fence(), kind=CLEAR, params=self._take_options()
         )
         await self._submit(link, [sub])
+        self.replay.cleared()
         self.state.input_since_commit_samples = 0
         self.input_status = InputStatus.OPEN
         self.emitter.emit("cleared", session_pb2.InputCleared())
@@ -571,34 +694,46 @@ class SessionRunner:
     def turn_ended(self, committed_samples: int) -> None:
         """The worker's turn detection committed the input; answer it when auto-responding."""
         self.state.input_since_commit_samples = 0
+        self.replay.turn_ended()
         self._committed(self._clock.now(), committed_samples)
         if self.settings.turn_detection.auto_respond and self.response is None:
             self._start_response(self._commit_at)
 
-    def _start_response(self, started_at: float, params: dict[str, Any] | None = None) -> None:
+    def _start_response(
+        self, started_at: float, params: dict[str, Any] | None = None, *, restart: _Restart | None = None
+    ) -> None:
+        """Start a response to the committed input: for a new turn, or (``restart``) again for
+        the turn of one its worker or replica lost."""
         link = self.link
         if link is None or not link.healthy:
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the session's worker is unavailable")
-        self.turn_id += 1
+        if restart is None:
+            self.turn_id += 1
+        turn_id = restart.turn_id if restart is not None else self.turn_id
         response_id = f"resp_{uuid.uuid4().hex[:16]}"
         resp = ActiveResponse(
             response_id=response_id,
-            turn_id=self.turn_id,
+            turn_id=turn_id,
             epoch=self.epoch,
             proj=self._plugin.data_plane.begin_response(
                 response_id=response_id,
-                turn_id=self.turn_id,
+                turn_id=turn_id,
                 epoch=self.epoch,
                 worker_format=self._plugin.worker_format,
                 output_format=self.settings.output_format,
             ),
             started_at=started_at,
+            params=params,
+            mark=restart.mark if restart is not None else self.replay.last_marker(),
         )
         self.response = resp
         self._response_idle.clear()
         self.turn_status = TurnStatus.LISTENING
         self.state.context_locked = True
-        self.emitter.emit("response_started", resp.started())
+        self.last_response = (response_id, turn_id, ACTIVE)
+        started = resp.started()
+        started.resume_token = self._fresh_token()
+        self.emitter.emit("response_started", started)
         sub = self._plugin.plan_control(
             request_id=self.session_id,
             fence=self._fence(),
@@ -640,16 +775,32 @@ class SessionRunner:
             resp.stop()
         return resp
 
+    def _fresh_token(self) -> str:
+        """A resume token that knows the session as it is now (kept as the current one)."""
+        self.resume_token = self._issue_token(self)
+        return self.resume_token
+
+    def _response_done(
+        self, resp: ActiveResponse, status: session_pb2.ResponseStatus.ValueType, reason: str
+    ) -> None:
+        """Emit ``response_done`` for ``resp``, with a token that knows how it ended."""
+        self.last_response = (resp.response_id, resp.turn_id, status)
+        done = resp.done(status, reason)
+        done.resume_token = self._fresh_token()
+        self.emitter.emit("response_done", done)
+
     def finish_response(self, status: session_pb2.ResponseStatus.ValueType, reason: str) -> None:
         """End the active response with ``response_done``; a completed one commits the model
         context and, when the user finished another turn meanwhile, answers that one."""
         resp = self._end_response()
         if resp is None:
             return
+        # However it ended, the input it answered is no longer needed for a replay.
+        self.replay.answered(resp.mark)
         if status == COMPLETED:
             for ev in self._plugin.data_plane.end_response(resp.proj):
                 self.emitter.emit_output(ev, resp.epoch)
-        self.emitter.emit("response_done", resp.done(status, reason))
+        self._response_done(resp, status, reason)
         if status == COMPLETED:
             self._plugin.commit_model_context(
                 session_id=self.session_id, assistant_text="".join(resp.proj.text)
@@ -668,6 +819,12 @@ class SessionRunner:
         self.seq_status = SeqStatus.RESTART_ALLOWED
         self.input_status = InputStatus.OPEN
         self.outbound.purge_before(self.epoch)
+        if resp is not None:
+            self.replay.answered(resp.mark)
+        elif self._restart is not None:  # cancelled before its restart: it stays cancelled
+            self.replay.answered(self._restart.mark)
+            self._restart = None
+        self.replay.new_epoch(self.epoch)
         if self.link is not None:
             self.link.abort(
                 worker_pb2.Abort(request_id=self.session_id, fence=self._fence().to_proto(), reason=reason)
@@ -685,7 +842,7 @@ class SessionRunner:
             ),
         )
         if resp is not None:
-            self.emitter.emit("response_done", resp.done(CANCELLED, reason))
+            self._response_done(resp, CANCELLED, reason)
 
     # ---- silence continuation --------------------------------------------------------------
 
@@ -717,6 +874,7 @@ class SessionRunner:
             raise
         if self.epoch == resp.epoch:
             self._worker_seq = wseq
+            self.replay.appended(self._silence_frame, epoch=resp.epoch, seq=wseq)
             self._handed_on(link, wseq, 1)
         self._timeline.silence(self._clock.now(), self._frame_period)
         if resp.feeder is not None:
@@ -750,10 +908,30 @@ class SessionRunner:
         self._close("fenced")
 
     def on_worker_lost(self, link: WorkerHandle) -> None:
-        """The worker went away: its model state is gone; fail what depended on it."""
+        """The worker went away (or hung), and the session's model state with it.
+
+        With turn failover the session keeps its turn: the interrupted response ends
+        ``failed/worker_unavailable``, and the session moves to another worker at once, replays
+        the turn's input there and restarts the response for the same turn (``_recover``). The
+        speech status stays as it is: the speech goes on on the new worker. Without it, what
+        depended on the worker fails."""
         if self.link is not link or self.closed:
             return
         self._bind(None)
+        if self._replayable:
+            try:
+                self.emitter.acks(self.acks.reset())  # the input is the session's to replay now
+                resp = self._end_response()
+                if resp is not None:
+                    self._restart = _Restart(resp.turn_id, resp.params, resp.mark, "worker_lost")
+                    self._response_done(resp, FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
+            except OutboundOverflow:
+                self._close("slow_consumer")
+                return
+            self._mailbox.put_control(_Recover())
+            return
+        FAILOVERS.labels(result="not_replayable").inc()
+        self.replay.clear()
         # The worker's model state went with it: uncommitted input (so no hole to protect) and
         # any committed utterance. The next submission starts over on a healthy worker.
         self.input_status = InputStatus.OPEN
@@ -779,10 +957,35 @@ class SessionRunner:
         if link is not None:
             WORKER_SESSIONS.labels(worker=link.address).inc()
 
+    async def _recover(self) -> None:
+        """After a worker loss (or a takeover mid-reply): move to a healthy worker, replaying the
+        turn's input there, and restart the interrupted response. A few tries (links come back,
+        the pool re-resolves); then the turn is given up with ``worker_unavailable``."""
+        for delay in RECOVER_DELAYS_S:
+            if self.closed or (self._restart is None and self.link is not None and self.link.healthy):
+                return  # a client event got there first
+            if delay:
+                await self._clock.sleep(delay)
+            try:
+                await self._bound_link()
+                return
+            except UnavailableError as err:
+                last = err
+        FAILOVERS.labels(result="unavailable").inc()
+        restart, self._restart = self._restart, None
+        if restart is not None:
+            self.replay.answered(restart.mark)
+        self._error(
+            UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"the session's worker went away: {last.message}")
+        )
+
     async def _bound_link(self) -> WorkerHandle:
-        """The session's worker, placing the session again when it has none (or a dead one)."""
+        """The session's worker, placing the session again when it has none (or a dead one):
+        the turn's input is replayed there first, and an interrupted response restarts."""
         link = self.link
         if link is not None and link.healthy:
+            if self._restart is not None:
+                self._restart_response(link)
             return link
         try:
             # With takeover: this runner holds the session, so whoever still holds it on the new
@@ -793,15 +996,73 @@ class SessionRunner:
             raise UnavailableError(
                 ErrorCode.WORKER_UNAVAILABLE, f"no worker for the session: {err.message}"
             ) from err
-        if granted > self.epoch:
-            self.epoch = granted
-            self._worker_seq = 0
         self._bind(link)
         self.options_status = OptionsStatus.PENDING
         # Bound first: emitting held acks may overflow the outbound queue and close the session,
         # which must then release the new placement too.
         self.emitter.acks(self.acks.reset())  # nothing is in flight on the new placement
+        if granted > self.epoch:
+            self._moved_to_epoch(granted)
+        if self._replayable:
+            await self._replay_on(link)
+        if self._restart is not None:
+            self._restart_response(link)
         return link
+
+    def _moved_to_epoch(self, granted: int) -> None:
+        """The new worker granted a higher epoch (it had fenced the session before): the client
+        is told as after a cancel (appends restart at seq 1), though nothing of its was cut."""
+        old = self.epoch
+        self.epoch = granted
+        self._worker_seq = 0
+        self.seq_status = SeqStatus.RESTART_ALLOWED
+        self.outbound.purge_before(self.epoch)
+        self.emitter.emit(
+            "audio_cancelled",
+            session_pb2.AudioCancelled(cancelled_epoch=old, epoch=granted, reason="worker_moved"),
+        )
+
+    async def _replay_on(self, link: WorkerHandle) -> None:
+        """Hand the kept input of the turn to the session's new worker, before anything else."""
+        plan = self.replay.plan(REPLAY_APPEND_FRAMES * self._frame_bytes)
+        if not plan:
+            FAILOVERS.labels(result="replayed").inc()
+            return
+        steps = [
+            ReplayStep(frames=None) if isinstance(item, Marker) else ReplayStep(item.frames, item.replay)
+            for item in plan
+        ]
+        first = self._worker_seq + 1
+        fence = self._fence()
+        subs = self._plugin.plan_replay(
+            request_id=self.session_id, fence=fence, first_seq=first, steps=steps, params=self._take_options()
+        )
+        try:
+            await self._submit(link, subs)
+        except BaseException:
+            self.options_status = OptionsStatus.PENDING
+            raise
+        seq = first
+        frames = 0
+        for item in plan:
+            if isinstance(item, Marker):
+                continue
+            item.handed_on(epoch=fence.epoch, seq=seq)
+            n = item.size // self._frame_bytes
+            self._handed_on(link, seq, n)
+            frames += n
+            seq += 1
+        self._worker_seq = seq - 1
+        REPLAYED_FRAMES.inc(frames)
+        FAILOVERS.labels(result="replayed").inc()
+
+    def _restart_response(self, link: WorkerHandle) -> None:
+        restart, self._restart = self._restart, None
+        if restart is None or self.response is not None or self.closed:
+            return
+        del link
+        RESTARTED_RESPONSES.labels(cause=restart.cause).inc()
+        self._start_response(self._clock.now(), restart.params, restart=restart)
 
     def _fence(self) -> Fence:
         f = self._fence_cache
@@ -833,6 +1094,7 @@ class SessionRunner:
         try:
             resp = self._end_response()
             if resp is not None:
+                self.last_response = (resp.response_id, resp.turn_id, CANCELLED)
                 self.emitter.emit("response_done", resp.done(CANCELLED, "session_closed"))
             self.emitter.emit("closed", session_pb2.SessionClosed(reason=reason))
         except OutboundOverflow:

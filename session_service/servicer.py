@@ -17,7 +17,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, abort
+from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, FencedError, abort
 from duplex.v1 import session_pb2, session_pb2_grpc
 from session_service.auth import PrincipalOf, anonymous
 from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN
@@ -109,7 +109,11 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             # not read: the call is aborted from another task, at once.
             cut_off.append(asyncio.create_task(self._cut_off(context)))
 
-        attachment = runner.attach_stream(on_slow_consumer=on_slow_consumer)
+        def on_cut_off() -> None:
+            # Displaced by a resume and still writing after the handover timeout.
+            cut_off.append(asyncio.create_task(self._cut_off(context, displaced=True)))
+
+        attachment = runner.attach_stream(on_slow_consumer=on_slow_consumer, cut_off=on_cut_off)
         reader = asyncio.create_task(self._pump(it, runner, attachment, context))
         try:
             while True:
@@ -120,6 +124,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             if cut_off:
                 await cut_off[0]  # the call ends with slow_consumer, not OK
         finally:
+            runner.outbound.detached(attachment)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
@@ -129,13 +134,18 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 runner.detach()
 
     async def _cut_off(
-        self, context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent]
+        self,
+        context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
+        *,
+        displaced: bool = False,
     ) -> None:
-        err = CapacityError(
+        err: DuplexError = CapacityError(
             ErrorCode.SLOW_CONSUMER,
             "the client did not read its events in time; the session is closed",
             retryable=False,
         )
+        if displaced:
+            err = FencedError(ErrorCode.FENCED, "the session was resumed on another stream")
         with contextlib.suppress(Exception):  # AbortError: the call is ended (or was already)
             await self._abort(context, err)
 

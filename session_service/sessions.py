@@ -43,6 +43,7 @@ from session_service.resume import (
     ResumeClaims,
     ResumeKeys,
     ResumeTokenTooLargeError,
+    SessionProgress,
     claims_for,
     decode,
     issue,
@@ -92,6 +93,7 @@ class SessionManager:
         self.capabilities = dataclasses.replace(
             plugin.capabilities(max_sessions=config.max_sessions),
             resume_scope="deployment" if self._keys.shared else "replica",
+            turn_failover=plugin.replayable and config.runner.turn_failover,
         )
         self.draining = False
         self._opening = 0
@@ -121,6 +123,7 @@ class SessionManager:
             placer=self._placer,
             on_closed=self._on_closed,
             clock=self._clock,
+            issue_token=self.refresh_resume_token,
         )
 
     def _on_closed(self, runner: SessionRunner) -> None:
@@ -187,6 +190,7 @@ class SessionManager:
         runtime: Mapping[str, object],
         client_extra: Mapping[str, object],
         principal: str,
+        progress: SessionProgress | None = None,
     ) -> ResumeClaims:
         return claims_for(
             settings,
@@ -196,6 +200,7 @@ class SessionManager:
             client_extra=client_extra,
             principal=principal,
             now=self._wall_clock(),
+            progress=progress,
         )
 
     def _current_token(self, claims: ResumeClaims, token: str) -> str:
@@ -216,14 +221,16 @@ class SessionManager:
         return issue(self._keys, claims)
 
     def refresh_resume_token(self, runner: SessionRunner) -> str:
-        """Bring ``runner.resume_token`` up to date with its settings (``update``s change them) and
-        return it. A session whose state no longer fits in a token keeps its last one."""
+        """Bring ``runner.resume_token`` up to date with its settings (``update``s change them)
+        and progress (turns, events, its last response) and return it. A session whose state no
+        longer fits in a token keeps its last one."""
         claims = self._claims(
             runner.session_id,
             runner.settings,
             runner.runtime_config,
             self._client_extra.get(runner.session_id, {}),
             runner.principal,
+            runner.progress(),
         )
         try:
             runner.resume_token = self._current_token(claims, runner.resume_token)
@@ -307,7 +314,7 @@ class SessionManager:
                 self.refresh_resume_token(runner)
                 runner.greet()
                 return runner
-            return await self._take_over(claims, msg.resume_token)
+            return await self._take_over(claims, msg.resume_token, msg.last_event_id)
 
     async def _restore(
         self, claims: ResumeClaims
@@ -334,14 +341,15 @@ class SessionManager:
             raise BadRequestError(err.code, err.message) from err
         return settings, extra, runtime
 
-    async def _take_over(self, claims: ResumeClaims, token: str) -> SessionRunner:
+    async def _take_over(self, claims: ResumeClaims, token: str, last_event_id: str = "") -> SessionRunner:
         principal = claims.principal
         self._admit(principal)
         with self._opening_for(principal):
             settings, extra, runtime = await self._restore(claims)
             try:
                 token = self._current_token(
-                    self._claims(claims.session_id, settings, runtime, extra, principal), token
+                    self._claims(claims.session_id, settings, runtime, extra, principal, claims.progress),
+                    token,
                 )
             except ResumeTokenTooLargeError:
                 pass  # the presented token still describes the session as it was
@@ -354,7 +362,12 @@ class SessionManager:
                 if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
                     raise FencedError(ErrorCode.FENCED, f"session is fenced: {err.message}") from err
                 raise
-        return self._start(claims.session_id, principal, settings, runtime, extra, link, epoch, token)
+        progress = dataclasses.replace(
+            claims.progress, events=_events_seen(claims.progress.events, last_event_id)
+        )
+        return self._start(
+            claims.session_id, principal, settings, runtime, extra, link, epoch, token, progress
+        )
 
     def _start(
         self,
@@ -366,6 +379,7 @@ class SessionManager:
         link: WorkerHandle,
         epoch: int,
         token: str,
+        progress: SessionProgress | None = None,
     ) -> SessionRunner:
         """Build, register, greet and start the runner of an opened or taken-over session."""
         runner = SessionRunner(
@@ -377,6 +391,7 @@ class SessionManager:
             epoch=epoch,
             resume_token=token,
             deps=self._deps(),
+            progress=progress,
         )
         self._client_extra[session_id] = extra
         self._held[principal] += 1
@@ -400,6 +415,20 @@ class SessionManager:
         for r in runners:
             r.close("draining")
         await asyncio.gather(*(r.wait_closed() for r in runners))
+
+
+#: How far past its token a client's ``last_event_id`` may move event numbering (a bound on what
+#: a client can make the server count from; ids are per session, so it harms no one else).
+MAX_EVENTS_AHEAD = 1 << 32
+
+
+def _events_seen(from_token: int, last_event_id: str) -> int:
+    """Events numbered before a takeover: the token's count, or the client's last ``se_N`` when
+    it saw later ones (the lost replica numbered events after it issued the token)."""
+    prefix, _, number = last_event_id.partition("_")
+    if prefix != "se" or not number.isdigit() or len(number) > 20:
+        return from_token
+    return max(from_token, min(int(number), from_token + MAX_EVENTS_AHEAD))
 
 
 def _check_owner(owner: str, principal: str) -> None:

@@ -46,6 +46,7 @@ from session_service.plugin import DuplexModelPlugin, OutputAction, SessionSetti
 if TYPE_CHECKING:
     from session_service.ack_window import AckWindow
     from session_service.emitter import Emitter
+    from session_service.replay import ReplayLog
     from session_service.response import ActiveResponse
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class Session(Protocol):
     runtime_config: dict[str, object]
     emitter: Emitter
     acks: AckWindow
+    replay: ReplayLog
 
     @property
     def closed(self) -> bool: ...
@@ -195,6 +197,7 @@ class WorkerOutput:
             DROPPED[DropReason.STALE_EPOCH].inc()
             return False
         if u.input_seq and u.fence.epoch == s.epoch:
+            s.replay.consumed(epoch=s.epoch, seq=u.input_seq)
             s.emitter.acks(s.acks.consumed(u.input_seq))
         for vad in u.vad:
             if vad.kind == SPEECH_STARTED:

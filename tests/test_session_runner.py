@@ -246,7 +246,7 @@ async def test_speech_in_input_queued_before_the_response_does_not_barge_in() ->
 
 async def test_worker_loss_mid_speech_closes_the_speech_span() -> None:
     link = FakeLink()
-    r = make_runner(link)
+    r = make_runner(link, turn_failover=False)
     started = worker_pb2.VadEvent(kind=worker_pb2.VadEvent.KIND_SPEECH_STARTED, sample_offset=0)
     r.on_output(None, None, [step_update(1, 0, vad=[started])])
     r.on_worker_lost(link)  # type: ignore[arg-type]
@@ -455,7 +455,7 @@ def test_router_routes_by_request_and_fails_closed() -> None:
 
 async def test_worker_loss_fails_the_active_response() -> None:
     link = FakeLink()
-    r = make_runner(link)
+    r = make_runner(link, turn_failover=False)
     await start_response(r)
     drain(r)
     r.on_worker_lost(link)  # type: ignore[arg-type]
@@ -529,7 +529,7 @@ async def test_cancel_releases_held_acks_and_worker_seqs_restart_with_the_epoch(
 
 async def test_a_lost_worker_or_a_rejected_append_never_leaves_acks_held() -> None:
     link = FakeLink()
-    r = make_runner(link, **HOLD)
+    r = make_runner(link, turn_failover=False, **HOLD)
     await _hand_on(r, range(1, 6))
     assert acks(drain(r)) == [(1, 1), (2, 1), (3, 1)]
     r.on_worker_lost(link)  # type: ignore[arg-type]
@@ -572,7 +572,7 @@ class _HoldingLink(FakeLink):
 async def test_a_silence_frame_lost_with_its_worker_reports_the_loss_once() -> None:
     clock = ManualClock()
     link = _HoldingLink()
-    r = make_runner(link, clock=clock)
+    r = make_runner(link, clock=clock, turn_failover=False)
     r.on_output(None, None, [step_update(1, 0, turn_ended=True, committed_samples=8000)])
     await settle()
     await clock.advance(0.150, step=0.004)  # one silence frame is being written ...

@@ -75,6 +75,9 @@ class Work:
     """APPEND: frames consumed so far."""
     options: object | None = None
     """Parsed ``params`` to apply before the submission's effect."""
+    replay: bool = False
+    """APPEND: input replayed after a move; its news were reported by the worker that first
+    consumed it, so only its consumption is reported (``Submission.replay``)."""
 
     @property
     def units(self) -> int:
@@ -163,6 +166,8 @@ class _Request:
     reply_fence: Fence | None = None
     seq_done: int = 0
     seq_reported: int = 0
+    input_replay: bool = False
+    """The frame taken last came from a replayed APPEND."""
 
 
 def _error(work: Work, err: DuplexError) -> Update:
@@ -385,6 +390,7 @@ class Engine:
                     req.counter.retired += 1
                     self._queued_units -= 1
                     req.input_fence = work.fence
+                    req.input_replay = work.replay
                     if work.pos == len(work.frames):
                         req.queue.popleft()
                         req.seq_done = work.seq
@@ -425,6 +431,7 @@ class Engine:
         batch: list[_Request] = []
         fences: list[Fence] = []
         rows: list[FloatArray | None] = []
+        replayed: list[bool] = []
         for req in self._select():
             frame = self._prepare(model, req, news)
             # A lockstep model advances a reply only with an input frame, so a replying request
@@ -443,6 +450,7 @@ class Engine:
             batch.append(req)
             fences.append(fence)
             rows.append(frame)
+            replayed.append(frame is not None and req.input_replay)
         if not batch:
             return []
         self._step_no += 1
@@ -467,7 +475,7 @@ class Engine:
                 out = per_owner[req.owner] = OwnerStep(step=self._step_no, output_type=outputs.output_type)
             out.batch.append((req.request_id, fence))
         self._route_audio(outputs, batch, per_owner)
-        self._collect_news(model, batch, fences, result.news, per_owner)
+        self._collect_news(model, batch, fences, replayed, result.news, per_owner)
         for req in batch:
             if req.reply_fence is not None and not model.is_responding(req.state):
                 req.reply_fence = None
@@ -482,12 +490,18 @@ class Engine:
         model: StepModel[Any],
         batch: list[_Request],
         fences: list[Fence],
+        replayed: list[bool],
         step_news: list[RequestNews | None],
         per_owner: dict[str, OwnerStep],
     ) -> None:
         if len(step_news) != len(batch):
             raise RuntimeError(f"model returned news for {len(step_news)} of {len(batch)} requests")
-        for req, fence, n in zip(batch, fences, step_news, strict=True):
+        for req, fence, was_replay, n in zip(batch, fences, replayed, step_news, strict=True):
+            if was_replay and n is not None and n.error is None:
+                # The worker that first consumed this input reported what the model heard in it.
+                n.vad, n.text, n.turn_ended, n.committed_samples = [], "", False, 0
+                if not (n.response_started or n.response_finished):
+                    n = None
             seq_changed = req.seq_done != req.seq_reported
             if n is None and not seq_changed:
                 continue

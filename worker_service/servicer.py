@@ -506,6 +506,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             samples = np.frombuffer(sub.pcm, dtype="<i2").astype(np.float32) * np.float32(1.0 / 32768.0)
             work.frames = samples.reshape(-1, model.frame_samples)
             work.seq = sub.seq
+            work.replay = sub.replay
         return work
 
     def _to_proto(self, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:

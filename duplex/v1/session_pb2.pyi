@@ -43,6 +43,10 @@ class _ResponseStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Respon
     RESPONSE_STATUS_COMPLETED: _ResponseStatus.ValueType  # 1
     RESPONSE_STATUS_CANCELLED: _ResponseStatus.ValueType  # 2
     RESPONSE_STATUS_FAILED: _ResponseStatus.ValueType  # 3
+    RESPONSE_STATUS_INTERRUPTED: _ResponseStatus.ValueType  # 4
+    """It never ended: the session-service replica streaming it was lost (only
+    in `opened.last_response` after a resume).
+    """
 
 class ResponseStatus(_ResponseStatus, metaclass=_ResponseStatusEnumTypeWrapper):
     """How a response ended."""
@@ -51,6 +55,10 @@ RESPONSE_STATUS_UNSPECIFIED: ResponseStatus.ValueType  # 0
 RESPONSE_STATUS_COMPLETED: ResponseStatus.ValueType  # 1
 RESPONSE_STATUS_CANCELLED: ResponseStatus.ValueType  # 2
 RESPONSE_STATUS_FAILED: ResponseStatus.ValueType  # 3
+RESPONSE_STATUS_INTERRUPTED: ResponseStatus.ValueType  # 4
+"""It never ended: the session-service replica streaming it was lost (only
+in `opened.last_response` after a resume).
+"""
 Global___ResponseStatus: _TypeAlias = ResponseStatus  # noqa: Y015
 
 @_typing.final
@@ -193,19 +201,28 @@ class SessionResume(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
+    LAST_EVENT_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The id from `opened`."""
     resume_token: _builtins.str
-    """The token from `opened` (or the latest `go_away`)."""
+    """The latest token the client holds: from `opened`, `response_started`,
+    `response_done` or `go_away`, whichever came last.
+    """
+    last_event_id: _builtins.str
+    """The `event_id` of the last server event the client received ("se_N"),
+    if any: the resumed session numbers its events after it, so no id is
+    used twice. Without it numbering continues from the token.
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         resume_token: _builtins.str = ...,
+        last_event_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["resume_token", b"resume_token", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_event_id", b"last_event_id", "resume_token", b"resume_token", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -535,6 +552,7 @@ class Capabilities(_message.Message):
     MAX_APPEND_BYTES_FIELD_NUMBER: _builtins.int
     TURN_DETECTION_FIELD_NUMBER: _builtins.int
     RESUME_SCOPE_FIELD_NUMBER: _builtins.int
+    TURN_FAILOVER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The plugin id, e.g. "parrot"."""
     max_sessions: _builtins.int
@@ -547,6 +565,12 @@ class Capabilities(_message.Message):
     """Where the resume token works: "deployment" (any replica that shares the
     deployment's resume secrets) or "replica" (only the replica that issued
     it: no shared secret is configured).
+    """
+    turn_failover: _builtins.bool
+    """Whether a turn survives the loss of its worker: the session keeps the
+    turn's input and replays it on another worker, and an interrupted
+    response restarts there (`response_done{failed, "worker_unavailable"}`,
+    then a new `response_started` for the same turn).
     """
     @_builtins.property
     def input_formats(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AudioFormat]:
@@ -571,10 +595,11 @@ class Capabilities(_message.Message):
         max_append_bytes: _builtins.int = ...,
         turn_detection: _builtins.bool = ...,
         resume_scope: _builtins.str = ...,
+        turn_failover: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["output_format", b"output_format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_formats", b"input_formats", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_formats", b"input_formats", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection", "turn_failover", b"turn_failover"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -591,12 +616,16 @@ class SessionOpened(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
+    LAST_RESPONSE_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Server-assigned session id."""
     epoch: _builtins.int
     """The current epoch."""
     resume_token: _builtins.str
     """Presented in `resume` to re-attach to this session."""
+    turn_id: _builtins.int
+    """The highest turn id used so far (the next response gets a higher one)."""
     @_builtins.property
     def capabilities(self) -> Global___Capabilities:
         """What the model can do."""
@@ -604,6 +633,14 @@ class SessionOpened(_message.Message):
     @_builtins.property
     def config(self) -> Global___SessionConfig:
         """The effective settings."""
+
+    @_builtins.property
+    def last_response(self) -> Global___LastResponse:
+        """After a resume: the session's last response, if it had one, and what
+        became of it. INTERRUPTED: the replica serving it was lost mid-reply;
+        the session restarts it (a new `response_started` for the same turn
+        follows) when its model can (`capabilities.turn_failover`).
+        """
 
     def __init__(
         self,
@@ -613,14 +650,48 @@ class SessionOpened(_message.Message):
         capabilities: Global___Capabilities | None = ...,
         resume_token: _builtins.str = ...,
         config: Global___SessionConfig | None = ...,
+        last_response: Global___LastResponse | None = ...,
+        turn_id: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config", b"config"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config", b"config", "last_response", b"last_response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config", b"config", "epoch", b"epoch", "resume_token", b"resume_token", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config", b"config", "epoch", b"epoch", "last_response", b"last_response", "resume_token", b"resume_token", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SessionOpened: _TypeAlias = SessionOpened  # noqa: Y015
+
+@_typing.final
+class LastResponse(_message.Message):
+    """What became of a session's last response (in `opened` after a resume)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    """The response."""
+    turn_id: _builtins.int
+    """Its turn."""
+    status: Global___ResponseStatus.ValueType
+    """How it ended; INTERRUPTED when it had not ended when the replica that
+    served it was lost.
+    """
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        turn_id: _builtins.int = ...,
+        status: Global___ResponseStatus.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["response_id", b"response_id", "status", b"status", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LastResponse: _TypeAlias = LastResponse  # noqa: Y015
 
 @_typing.final
 class SessionUpdated(_message.Message):
@@ -772,22 +843,26 @@ class ResponseStarted(_message.Message):
     RESPONSE_ID_FIELD_NUMBER: _builtins.int
     TURN_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     response_id: _builtins.str
     """Server-assigned response id."""
     turn_id: _builtins.int
     """The turn this response belongs to."""
     epoch: _builtins.int
     """The epoch it runs in."""
+    resume_token: _builtins.str
+    """A fresh token for `resume`: it knows this response is in progress."""
     def __init__(
         self,
         *,
         response_id: _builtins.str = ...,
         turn_id: _builtins.int = ...,
         epoch: _builtins.int = ...,
+        resume_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "response_id", b"response_id", "turn_id", b"turn_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "response_id", b"response_id", "resume_token", b"resume_token", "turn_id", b"turn_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -939,6 +1014,7 @@ class ResponseDone(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     AUDIO_MS_FIELD_NUMBER: _builtins.int
+    RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     response_id: _builtins.str
     """The response."""
     turn_id: _builtins.int
@@ -949,6 +1025,8 @@ class ResponseDone(_message.Message):
     """Why, for CANCELLED and FAILED (a stable code such as "barge_in")."""
     audio_ms: _builtins.int
     """Milliseconds of audio sent for it."""
+    resume_token: _builtins.str
+    """A fresh token for `resume`: it knows how this response ended."""
     def __init__(
         self,
         *,
@@ -957,10 +1035,11 @@ class ResponseDone(_message.Message):
         status: Global___ResponseStatus.ValueType = ...,
         reason: _builtins.str = ...,
         audio_ms: _builtins.int = ...,
+        resume_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_ms", b"audio_ms", "reason", b"reason", "response_id", b"response_id", "status", b"status", "turn_id", b"turn_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_ms", b"audio_ms", "reason", b"reason", "response_id", b"response_id", "resume_token", b"resume_token", "status", b"status", "turn_id", b"turn_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -227,6 +227,7 @@ class Submission(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     PCM_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
+    REPLAY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Owner-chosen request id, unique within the owner. Outputs are keyed by it."""
     kind: Global___SubmissionKind.ValueType
@@ -237,6 +238,12 @@ class Submission(_message.Message):
     """
     pcm: _builtins.bytes
     """APPEND: PCM, whole frames, in WorkerDescription.audio_format."""
+    replay: _builtins.bool
+    """APPEND: input the owner replays after moving the session from a lost
+    worker, whose news that worker already reported. It is consumed like any
+    input (and counted in `input_seq`), but its VAD events, text and turn
+    ends are not reported again.
+    """
     @_builtins.property
     def fence(self) -> _common_pb2.Fence:
         """The fence the work runs under. Below the session's highest accepted
@@ -259,10 +266,11 @@ class Submission(_message.Message):
         seq: _builtins.int = ...,
         pcm: _builtins.bytes = ...,
         params: _struct_pb2.Struct | None = ...,
+        replay: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "kind", b"kind", "params", b"params", "pcm", b"pcm", "request_id", b"request_id", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "kind", b"kind", "params", b"params", "pcm", b"pcm", "replay", b"replay", "request_id", b"request_id", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

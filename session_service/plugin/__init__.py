@@ -13,7 +13,7 @@ state), ``_loader`` (loading and validation), ``_errors``.
 """
 
 from duplex.fence import Fence
-from session_service.plugin._base import DuplexModelPlugin, ModelSessionState
+from session_service.plugin._base import DuplexModelPlugin, ModelSessionState, ReplayStep
 from session_service.plugin._data_plane import DataPlane, PcmDataPlane, ResponseProjection
 from session_service.plugin._errors import PluginLoadError, RuntimeConfigError, reject_private_runtime_keys
 from session_service.plugin._loader import check_worker, load_plugin, validate_plugin
@@ -39,6 +39,7 @@ __all__ = [
     "PcmAppendBuffer",
     "PcmDataPlane",
     "PluginLoadError",
+    "ReplayStep",
     "ResponseProjection",
     "RuntimeConfigError",
     "SessionSettings",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,16 @@ from session_service.plugin._types import (
     OutputDecision,
     SessionSettings,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStep:
+    """One step of a replay (``DuplexModelPlugin.plan_replay``)."""
+
+    frames: bytes | None
+    """Whole worker frames to APPEND; None for an explicit COMMIT."""
+    replay: bool = False
+    """A worker consumed these frames before and reported their news (``Submission.replay``)."""
 
 
 @dataclass(slots=True)
@@ -56,6 +66,16 @@ class DuplexModelPlugin(ABC):
     """The model is lockstep (clocked by input frames, e.g. parrot): while a response is active
     and the client sends no audio, the runner feeds silence at real-time deadlines so the turn
     goes on. Free-running models leave it off."""
+    replayable: bool = False
+    """The model's per-session state on a worker is rebuilt by replaying the session's recent
+    input there: the APPENDs and COMMITs since the last answered commit (``plan_replay``), with
+    news the first worker reported not repeated. Then a turn survives its worker: the session
+    moves to another one, replays, and restarts an interrupted response for the same turn. A
+    model whose state depends on more than that input (say, a long generated context it cannot
+    re-derive) leaves it off: a lost worker then fails the turn."""
+    replay_window_s: float = 30.0
+    """How much of the latest input the model's state depends on (e.g. the parrot keeps at most
+    15 s of utterance): the session keeps at most this much (and at most its buffer limit)."""
 
     # ---- session policy ----
 
@@ -147,6 +167,46 @@ class DuplexModelPlugin(ABC):
         fence.write_to(sub.fence)
         _set_params(sub, params)
         return sub
+
+    def plan_replay(
+        self,
+        *,
+        request_id: str,
+        fence: Fence,
+        first_seq: int,
+        steps: Sequence[ReplayStep],
+        params: Mapping[str, Any] | None,
+    ) -> list[worker_pb2.Submission]:
+        """Submissions that rebuild the session's model state on a new worker from its kept
+        input: ``steps`` in order, each an APPEND of whole frames (``replay``: a worker already
+        reported its news) or an explicit COMMIT (``frames`` None). APPEND seqs run from
+        ``first_seq``, one per APPEND step, in order (the runner numbers the input by them);
+        ``params`` (the session's options) go with the first submission."""
+        subs: list[worker_pb2.Submission] = []
+        seq = first_seq
+        for step in steps:
+            if step.frames is None:
+                subs.append(
+                    self.plan_control(
+                        request_id=request_id,
+                        fence=fence,
+                        kind=worker_pb2.SUBMISSION_KIND_COMMIT,
+                        params=None if subs else params,
+                    )
+                )
+                continue
+            sub = worker_pb2.Submission(
+                request_id=request_id,
+                kind=worker_pb2.SUBMISSION_KIND_APPEND,
+                seq=seq,
+                pcm=step.frames,
+                replay=step.replay,
+            )
+            fence.write_to(sub.fence)
+            _set_params(sub, None if subs else params)
+            subs.append(sub)
+            seq += 1
+        return subs
 
     def decide_output(self, update: worker_pb2.RequestUpdate) -> OutputDecision | None:
         """What an update means for the active response (None: nothing)."""

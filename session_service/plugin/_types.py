@@ -30,6 +30,9 @@ class Capabilities:
     resume_scope: str = "deployment"
     """Where a resume token works: "deployment" (shared resume secrets) or "replica" (none:
     set by the session service, not the plugin)."""
+    turn_failover: bool = False
+    """Whether a turn survives the loss of its worker (the plugin is ``replayable`` and the
+    service keeps turns' input: set by the session service, not the plugin)."""
 
     def to_proto(self) -> session_pb2.Capabilities:
         return session_pb2.Capabilities(
@@ -41,6 +44,7 @@ class Capabilities:
             max_append_bytes=self.max_append_bytes,
             turn_detection=self.turn_detection,
             resume_scope=self.resume_scope,
+            turn_failover=self.turn_failover,
         )
 
 

@@ -45,6 +45,11 @@ class ParrotPlugin(DuplexModelPlugin):
     max_append_bytes = 256 * 1024
     # The parrot worker model is lockstep: one reply frame per input frame.
     silence_continuation = True
+    # Its state (VAD, uncommitted input, the committed utterance) is a function of its recent
+    # input: replaying that input on another worker rebuilds it. It keeps at most 15 s of
+    # utterance plus the silence that ends a turn, so 30 s of input is more than enough.
+    replayable = True
+    replay_window_s = 30.0
 
     def __init__(self) -> None:
         self.data_plane = PcmDataPlane()

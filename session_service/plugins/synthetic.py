@@ -58,6 +58,8 @@ class SyntheticPlugin(ParrotPlugin):
     sampling_defaults: tuple[object, ...] = (SyntheticSampling(),)
     # Free-running: replies advance without input, so no silence is fed during them.
     silence_continuation = False
+    # Its reply depends only on the committed input's length and its options: replayable (the
+    # parrot's setting, inherited, says so).
 
     # ---- session policy ----
 
