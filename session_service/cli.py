@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-id", default="", help="owner id towards workers (default: random)")
     p.add_argument("--drain-grace-s", type=float, default=10.0)
     p.add_argument(
+        "--no-turn-failover",
+        action="store_true",
+        help="do not keep turns' input to replay on another worker: a lost worker fails the turn "
+        "(models that can be replayed keep it by default)",
+    )
+    p.add_argument(
         "--no-silence-continuation",
         action="store_true",
         help=(
@@ -271,6 +277,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         runner=RunnerConfig(
             idle_timeout_s=args.idle_timeout_s,
             silence_continuation=not args.no_silence_continuation,
+            turn_failover=not args.no_turn_failover,
             max_unconsumed_input_ms=args.max_unconsumed_input_ms,
             max_buffer_bytes=args.max_session_buffer_bytes,
             detached_grace_s=args.detached_grace_s,

@@ -74,3 +74,49 @@ def test_limits_by_count_and_by_bytes() -> None:
     by_bytes.put(_audio(1, 600), epoch=1)
     with pytest.raises(OutboundOverflow):
         by_bytes.put(_audio(1, 600), epoch=1)
+
+
+async def test_a_resumed_stream_takes_nothing_until_the_displaced_one_finished_its_write() -> None:
+    """The displaced stream took an audio event and is writing it when a resume attaches a new
+    stream, whose client barges in: the new stream's ``audio_cancelled`` must not go out before
+    that write is done (else old audio would follow it on the old stream)."""
+    epoch = 1
+    out = Outbound(lambda: epoch)
+    out.put(_audio(1), epoch=1)
+    old = out.attach()
+    assert _kind(await out.get(old)) == "audio_delta"  # ... and now being written
+    farewell = session_pb2.ServerEvent(closed=session_pb2.SessionClosed(reason="resumed_elsewhere"))
+    new = out.attach(farewell=farewell)
+    epoch = 2
+    out.put(session_pb2.ServerEvent(audio_cancelled=session_pb2.AudioCancelled(cancelled_epoch=1, epoch=2)))
+    taken = asyncio.ensure_future(out.get(new))
+    await asyncio.sleep(0.05)
+    assert not taken.done(), "the new stream took an event while the old one was still writing"
+    # The old stream's write is done: it asks for its next event and gets the farewell.
+    assert _kind(await out.get(old)) == "closed"
+    assert _kind(await asyncio.wait_for(taken, 1)) == "audio_cancelled"
+    assert await out.get(old) is None
+
+
+async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_and_ending_releases_the_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("session_service.outbound.HANDOVER_TIMEOUT_S", 0.05)
+    out = Outbound(lambda: 1)
+    cut: list[int] = []
+    out.put(_audio(1), epoch=1)
+    out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
+    old = out.attach(cut_off=lambda: cut.append(1))
+    assert _kind(await out.get(old)) == "audio_delta"
+    new = out.attach()
+    # Its client stopped reading: the write never finishes. The new stream goes on after the
+    # timeout, and the stuck stream's call is cut off.
+    assert _kind(await asyncio.wait_for(out.get(new), 1)) == "committed"
+    assert cut == [1]
+    # A displaced stream that simply ends (detached) lets the next one go at once.
+    out.put(_audio(1), epoch=1)
+    out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
+    assert _kind(await out.get(new)) == "audio_delta"
+    newer = out.attach()
+    out.detached(new)
+    assert _kind(await asyncio.wait_for(out.get(newer), 0.02)) == "committed"
