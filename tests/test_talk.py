@@ -99,8 +99,10 @@ async def test_talk_barge_in_truncates_reply(stack: InProcessStack, tmp_path: Pa
     assert result.ok, result
     assert "barge-in sent" in out and "audio cancelled" in out
     reply, rate = read_wav(out_path)
-    # Playback stopped 300 ms after the first audio: that is all the file keeps (full: ~3.4 s).
-    assert abs(len(reply) / rate - 0.3) < 0.05
+    # Playback stopped 300 ms after the first audio: the file keeps what had arrived by then
+    # (the reply streams at about real time, so up to ~0.3 s; less when the machine is loaded),
+    # never the rest of it (full: ~3.4 s).
+    assert 0 < len(reply) / rate < 0.35
 
 
 @FAST
