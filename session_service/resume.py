@@ -22,7 +22,8 @@ refused with ``UNAUTHENTICATED/invalid_resume_token``. The taking-over replica r
 Claims: ``sid`` session id, ``iat`` issue time (Unix seconds), ``p`` principal, ``m`` plugin
 id, ``s`` settings (``i``/``o`` input/output format as ``[encoding, rate, channels]``, ``td``
 turn detection as ``[auto_respond, silence_ms, barge_in]``, ``ins`` instructions, ``mod``
-modalities, ``idle`` idle timeout), ``x`` client ``extra_body``.
+modalities, ``idle`` idle timeout), ``x`` client ``extra_body``, ``w`` the worker the session
+lives on (its ``worker_id``; absent in older tokens).
 """
 
 from __future__ import annotations
@@ -187,9 +188,15 @@ class ResumeClaims:
     """None only in a bare token (``resume_token``), which cannot take a session over."""
     extra_body: Mapping[str, object] = field(default_factory=dict)
     """Client-visible runtime options, as a client would send them in ``open.extra_body``."""
+    worker_id: str = ""
+    """The worker the session lived on when the token was issued (its ``worker_id``): a replica
+    taking the session over attaches there first, fencing the previous owner out on it, and
+    moves the session only when that worker is not healthy. "" (older tokens): no preference."""
 
     def same_state(self, other: ResumeClaims) -> bool:
         """Whether both describe the same session state (the issue time aside)."""
+        if self.worker_id != other.worker_id:
+            return False  # the session moved: a token must name its worker now
         return (self.session_id, self.principal, self.model, self.settings, dict(self.extra_body)) == (
             other.session_id,
             other.principal,
@@ -249,6 +256,8 @@ def issue(keys: ResumeKeys, claims: ResumeClaims) -> str:
         body["s"] = _settings_claim(claims.settings)
     if claims.extra_body:
         body["x"] = dict(claims.extra_body)
+    if claims.worker_id:
+        body["w"] = claims.worker_id
     raw = json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
     token = keys.seal(raw.encode())
     if len(token) > MAX_TOKEN_CHARS:
@@ -335,6 +344,7 @@ def decode(
             model=_str(body.get("m", "")),
             settings=_parse_settings(body["s"]) if "s" in body else None,
             extra_body=_extra(body.get("x", {})),
+            worker_id=_str(body.get("w", "")),
         )
     except (ValueError, KeyError, TypeError, DuplexError) as exc:
         # Authentic but unreadable: a bug or an incompatible issuer, never the client's doing.
