@@ -75,6 +75,18 @@ RECONCILED: Final = Counter(
     "Sessions a worker listed as held for this replica on a new Run stream that this replica no "
     "longer held on it (closed or moved while the link was down), released there.",
 )
+EVICTIONS: Final = Counter(
+    "duplex_session_evictions",
+    "Sessions a resume moved off the worker their token named, which that worker was told to drop "
+    "(session_service.eviction), by result: evicted (taken over and released there), refused (the "
+    "worker refused the takeover), cancelled (placed back on that worker by this replica), expired "
+    "(the worker was not reachable from this replica in time), dropped (too many waiting).",
+    ["result"],
+)  # its results exist from the start, created with their enum (eviction.EvictionResult)
+EVICTIONS_PENDING: Final = Gauge(
+    "duplex_session_evictions_pending",
+    "Evictions waiting for their worker to be reachable from this replica.",
+)
 
 # Known label values exist from the start, so rate() alerts see a zero series (the drop
 # reasons are created with their table, session_service.worker_output.DropReason).
