@@ -17,12 +17,13 @@ at most ``ttl_s``; by then the previous owner has let the session go anyway (a r
 a session whose client left after its detached grace; a worker releases the sessions of an
 owner gone for its orphan grace).
 
-Never against this replica's own placement: an eviction is cancelled when this replica places
-the session on that worker itself (``Evictor.place``), and skipped while this replica holds the
-session there; one waits while the session is being placed here, and a placement waits for an
-eviction of its session in flight. A release at the eviction's epoch cannot release a later
-attachment: a later takeover is granted a higher epoch, and the worker ignores a release below
-the session's epoch.
+Only for a session this replica holds, and never against its own placement: an eviction is
+cancelled when this replica no longer holds the session (it ended here, or another replica took
+it over since: the latest owner decides where it lives) or holds it on that worker itself (its
+own takeover there fenced the previous owner); one waits while the session is being placed
+here, and a placement waits for an eviction of its session in flight. A release at the
+eviction's epoch cannot release a later attachment: a later takeover is granted a higher epoch,
+and the worker ignores a release below the session's epoch.
 
 A session that moves because its runner placed it again (its worker was lost, or left the
 membership) needs none of this: the previous owner is this replica, and the worker's list of
@@ -74,7 +75,8 @@ class EvictionResult(StrEnum):
     """The old worker refused the takeover (``not_owner``: this identity may not take it over;
     ``session_closed``; ``capacity_exhausted``: it does not hold the session and has no room)."""
     CANCELLED = "cancelled"
-    """This replica placed the session on that worker itself (its takeover fenced the owner)."""
+    """Nothing to evict any more: this replica placed the session on that worker itself (its
+    takeover fenced the owner there), or no longer holds the session."""
     EXPIRED = "expired"
     """The old worker was not reachable from this replica within ``ttl_s``."""
     DROPPED = "dropped"
@@ -268,7 +270,8 @@ class Evictor(Generic[EL]):
                 prefer,
             )
             self.pending.add(session_id, prefer)
-        self._start_due()
+        # Soon, not now: the caller registers the session's runner first (``_moot`` reads it).
+        asyncio.get_running_loop().call_soon(self._start_due)
         return link, granted
 
     def evict(self, session_id: str, worker_id: str) -> None:
@@ -280,10 +283,14 @@ class Evictor(Generic[EL]):
     def _workers_changed(self, _any_healthy: bool) -> None:
         self._start_due()
 
-    def _holds(self, session_id: str, worker_id: str) -> bool:
-        """Whether this replica holds the session on that worker (nothing to evict there)."""
+    def _moot(self, session_id: str, worker_id: str) -> bool:
+        """Whether there is nothing to evict: this replica no longer holds the session (it ended
+        here, or was taken over again: the latest owner decides where it lives), or holds it on
+        that worker itself (its own takeover there fenced whoever held it)."""
         runner = self._registry.get(session_id)
-        link = runner.link if runner is not None and not runner.closed else None
+        if runner is None or runner.closed:
+            return True
+        link = runner.link
         return link is not None and link.worker_id == worker_id
 
     def _start_due(self) -> None:
@@ -304,7 +311,7 @@ class Evictor(Generic[EL]):
 
         for waiting in self.pending.take(due):
             link = placeable[waiting.worker_id]
-            if self._holds(waiting.session_id, waiting.worker_id) or link.attaching(waiting.session_id):
+            if self._moot(waiting.session_id, waiting.worker_id) or link.attaching(waiting.session_id):
                 EVICTIONS.labels(result=EvictionResult.CANCELLED).inc()
                 continue
             task = asyncio.create_task(self._evict(link, waiting), name=f"evict-{waiting.session_id}")

@@ -79,8 +79,9 @@ EVICTIONS: Final = Counter(
     "duplex_session_evictions",
     "Sessions a resume moved off the worker their token named, which that worker was told to drop "
     "(session_service.eviction), by result: evicted (taken over and released there), refused (the "
-    "worker refused the takeover), cancelled (placed back on that worker by this replica), expired "
-    "(the worker was not reachable from this replica in time), dropped (too many waiting).",
+    "worker refused the takeover), cancelled (placed on that worker by this replica, or no longer "
+    "held here), expired (the worker was not reachable from this replica in time), dropped (too "
+    "many waiting).",
     ["result"],
 )  # its results exist from the start, created with their enum (eviction.EvictionResult)
 EVICTIONS_PENDING: Final = Gauge(

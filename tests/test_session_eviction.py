@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -23,7 +24,6 @@ from session_service.config import EvictionLimits
 from session_service.eviction import Evictor, PendingEvictions, Waiting
 from session_service.placement import WorkerPool, rendezvous_pick, rendezvous_rank
 from session_service.resume import ResumeKeys
-from session_service.routing import SessionRegistry
 from session_service.server import SessionServer
 from tests.fakes import ManualClock
 from tests.session_helpers import Conversation, open_event, sample, session_server, worker_server
@@ -273,13 +273,33 @@ async def test_place_tries_the_preferred_worker_first_while_it_is_placeable() ->
 # ---- the evictor -------------------------------------------------------------------------------
 
 
+@dataclass
+class _Runner:
+    session_id: str
+    link: object | None
+    closed: bool = False
+
+
+class _Registry:
+    """What the evictor reads of the sessions this replica holds: by default every one, live
+    on a worker of its own (``w-else``); ``runners`` says otherwise (None: not held here)."""
+
+    def __init__(self) -> None:
+        self.runners: dict[str, _Runner | None] = {}
+
+    def get(self, session_id: str) -> _Runner | None:
+        if session_id in self.runners:
+            return self.runners[session_id]
+        return _Runner(session_id, type("Link", (), {"worker_id": "w-else"})())
+
+
 def _evictor(
     pool: WorkerPool[_Link], *, clock: ManualClock | None = None, **limits: float
-) -> tuple[Evictor[_Link], SessionRegistry]:
-    registry = SessionRegistry()
+) -> tuple[Evictor[_Link], _Registry]:
+    registry = _Registry()
     evictor = Evictor(
         pool,
-        registry,
+        registry,  # type: ignore[arg-type]
         limits=EvictionLimits(**limits),
         clock=clock or ManualClock(),  # type: ignore[arg-type]
     )
@@ -399,18 +419,23 @@ async def test_an_eviction_waits_for_this_replicas_placement_of_the_session_and_
     assert evictor.pending.keys() == [] and evictions("cancelled") - cancelled == 1
 
 
-async def test_nothing_is_evicted_where_this_replica_holds_the_session() -> None:
+async def test_nothing_is_evicted_for_a_session_held_there_or_not_held_here() -> None:
+    """Held on that worker here: our takeover there fenced the old owner. Not held here any more
+    (ended, or taken over again by another replica): the latest owner decides where it lives."""
     pool = _pool("w1", "w2")
     old = pool.links["w1"]
     old.set_healthy(False)
     evictor, registry = _evictor(pool)
-    evictor.evict("sess_x", "w1")
-    held = type("Runner", (), {"session_id": "sess_x", "closed": False, "link": old})()
-    registry.add(held)  # type: ignore[arg-type]
+    registry.runners["held_there"] = _Runner("held_there", old)
+    registry.runners["ended"] = _Runner("ended", pool.links["w2"], closed=True)
+    registry.runners["gone"] = None
+    for sid in ("held_there", "ended", "gone", "held_elsewhere"):
+        evictor.evict(sid, "w1")
     cancelled = evictions("cancelled")
     old.set_healthy(True)
     await _settle()
-    assert old.attaches == [] and evictor.pending.keys() == [] and evictions("cancelled") - cancelled == 1
+    assert [a[0] for a in old.attaches] == ["held_elsewhere"] and evictor.pending.keys() == []
+    assert evictions("cancelled") - cancelled == 3
 
 
 async def test_a_placement_waits_for_an_eviction_of_its_session_in_flight() -> None:
