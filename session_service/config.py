@@ -46,6 +46,26 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EvictionLimits:
+    """Evictions (``session_service.eviction``) waiting for a worker not reachable from this
+    replica: how many, and for how long."""
+
+    max_pending: int = 4096
+    """Evictions waiting for a worker not reachable from this replica, at most; beyond it the
+    oldest is dropped (counted ``dropped``). As many as a worker link keeps releases."""
+    ttl_s: float = 300.0
+    """How long an eviction waits for its worker (counted ``expired`` after): well beyond what
+    a previous owner holds a session it lost (a replica's detached grace, a worker's orphan
+    grace: 30 s by default)."""
+
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError("max_pending must be >= 1")
+        if not self.ttl_s > 0:
+            raise ValueError("ttl_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """The whole process: where it listens, which workers it drives, which plugin it loads."""
 
@@ -125,6 +145,9 @@ class ServiceConfig:
     cannot speak TLS); "" = none."""
     worker_tls: ClientTLS | None = None
     """Mutual TLS towards the workers (the CA that signed them, this replica's certificate)."""
+    evictions: EvictionLimits = field(default_factory=EvictionLimits)
+    """How many evictions (a resumed session moved off the worker its token names, which is
+    told to drop it) wait for a worker not reachable from this replica, and for how long."""
 
     @property
     def concurrent_rpcs(self) -> int:

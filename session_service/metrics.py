@@ -91,6 +91,19 @@ RESTARTED_RESPONSES: Final = Counter(
     "lost), resumed (the replica streaming it was lost and the session resumed here).",
     ["cause"],
 )
+EVICTIONS: Final = Counter(
+    "duplex_session_evictions",
+    "Sessions a resume moved off the worker their token named, which that worker was told to drop "
+    "(session_service.eviction), by result: evicted (taken over and released there), refused (the "
+    "worker refused the takeover), cancelled (placed on that worker by this replica, or no longer "
+    "held here), expired (the worker was not reachable from this replica in time), dropped (too "
+    "many waiting).",
+    ["result"],
+)  # its results exist from the start, created with their enum (eviction.EvictionResult)
+EVICTIONS_PENDING: Final = Gauge(
+    "duplex_session_evictions_pending",
+    "Evictions waiting for their worker to be reachable from this replica.",
+)
 
 # Known label values exist from the start, so rate() alerts see a zero series (the drop
 # reasons are created with their table, session_service.worker_output.DropReason).

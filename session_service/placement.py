@@ -12,7 +12,8 @@ is a ``PlacementLink`` in a test), keyed by address; ``update`` changes that set
 service runs (``session_service.discovery``): a new address gets a link, a removed one's link
 is closed (its sessions get ``worker_unavailable`` and move at their next turn, as for a lost
 worker). It attaches a session on its rendezvous choice, the next one when a worker does not
-answer or has no room.
+answer or has no room; a resumed session tries the worker its token names first
+(``prefer``), so a session stays where it lives while that worker is healthy.
 
 One worker, one link: two addresses may reach workers that report the same id (a dual-stack
 pod's A and AAAA records; an old address still answering during a pod move; two workers given
@@ -261,10 +262,15 @@ class WorkerPool(Generic[L]):
                 chosen.setdefault(link.worker_id, link)
         return chosen
 
-    def rank(self, session_id: str) -> list[L]:
-        """The placeable links in the session's rendezvous order over worker ids (best first)."""
+    def rank(self, session_id: str, *, prefer: str | None = None) -> list[L]:
+        """The placeable links in the session's rendezvous order over worker ids (best first);
+        the link of worker ``prefer`` first when it is placeable."""
         placeable = self.placeable()
-        return [placeable[worker_id] for worker_id in rendezvous_rank(session_id, placeable)]
+        order = rendezvous_rank(session_id, placeable)
+        if prefer is not None and prefer in placeable:
+            order.remove(prefer)
+            order.insert(0, prefer)
+        return [placeable[worker_id] for worker_id in order]
 
     def pick(self, session_id: str) -> L:
         ranked = self.rank(session_id)
@@ -272,9 +278,13 @@ class WorkerPool(Generic[L]):
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, NO_WORKER_REACHABLE)
         return ranked[0]
 
-    async def place(self, session_id: str, epoch: int, takeover: bool) -> tuple[L, int]:
+    async def place(
+        self, session_id: str, epoch: int, takeover: bool, *, prefer: str | None = None
+    ) -> tuple[L, int]:
         """Attach the session on its rendezvous choice among the healthy workers; returns the
-        link and the granted epoch.
+        link and the granted epoch. ``prefer``: a worker id to try first while it is healthy
+        (a resumed session's own worker, where the takeover fences its previous owner out);
+        the rendezvous order follows it.
 
         A worker that does not answer the Attach (gone, or its stream lost meanwhile) or has no
         room (``capacity_exhausted``) is skipped for the next one in rendezvous order; a fencing
@@ -287,7 +297,7 @@ class WorkerPool(Generic[L]):
         tried: set[str] = set()
         full = False
         while True:
-            ranked = [link for link in self.rank(session_id) if link.address not in tried]
+            ranked = [link for link in self.rank(session_id, prefer=prefer) if link.address not in tried]
             if not ranked:
                 if full:
                     raise CapacityError(ErrorCode.CAPACITY_EXHAUSTED, NO_WORKER_ROOM)

@@ -22,9 +22,10 @@ refused with ``UNAUTHENTICATED/invalid_resume_token``. The taking-over replica r
 Claims: ``sid`` session id, ``iat`` issue time (Unix seconds), ``p`` principal, ``m`` plugin
 id, ``s`` settings (``i``/``o`` input/output format as ``[encoding, rate, channels]``, ``td``
 turn detection as ``[auto_respond, silence_ms, barge_in]``, ``ins`` instructions, ``mod``
-modalities, ``idle`` idle timeout), ``x`` client ``extra_body``, ``g`` the session's progress
-(``[turn id, server events numbered, last response id, its status]``: what a replica that takes
-the session over continues from, and tells the resumed caller).
+modalities, ``idle`` idle timeout), ``x`` client ``extra_body``, ``w`` the worker the session
+lives on (its ``worker_id``; absent in older tokens), ``g`` the session's progress (``[turn id,
+server events numbered, last response id, its status]``: what a replica that takes the session
+over continues from, and tells the resumed caller).
 """
 
 from __future__ import annotations
@@ -204,12 +205,18 @@ class ResumeClaims:
     """None only in a bare token (``resume_token``), which cannot take a session over."""
     extra_body: Mapping[str, object] = field(default_factory=dict)
     """Client-visible runtime options, as a client would send them in ``open.extra_body``."""
+    worker_id: str = ""
+    """The worker the session lived on when the token was issued (its ``worker_id``): a replica
+    taking the session over attaches there first, fencing the previous owner out on it, and
+    moves the session only when that worker is not healthy. "" (older tokens): no preference."""
     progress: SessionProgress = field(default_factory=SessionProgress)
     """Turn and event numbering and the last response, as they were at issue."""
 
     def same_state(self, other: ResumeClaims) -> bool:
         """Whether both describe the same session state (the issue time aside, and the event
         count: a lower bound is enough, the client names its last event when it resumes)."""
+        if self.worker_id != other.worker_id:
+            return False  # the session moved: a token must name its worker now
         return (
             self.session_id,
             self.principal,
@@ -277,6 +284,8 @@ def issue(keys: ResumeKeys, claims: ResumeClaims) -> str:
         body["s"] = _settings_claim(claims.settings)
     if claims.extra_body:
         body["x"] = dict(claims.extra_body)
+    if claims.worker_id:
+        body["w"] = claims.worker_id
     g = claims.progress
     if g != SessionProgress():
         body["g"] = [g.turn_id, g.events, g.last_response_id, g.last_response_status]
@@ -366,6 +375,7 @@ def decode(
             model=_str(body.get("m", "")),
             settings=_parse_settings(body["s"]) if "s" in body else None,
             extra_body=_extra(body.get("x", {})),
+            worker_id=_str(body.get("w", "")),
             progress=_parse_progress(body["g"]) if "g" in body else SessionProgress(),
         )
     except (ValueError, KeyError, TypeError, DuplexError) as exc:

@@ -92,6 +92,7 @@ class WorkerHandle(Protocol):
     """The runner's view of the worker its session is placed on (a ``WorkerLink``)."""
 
     address: str
+    worker_id: str | None  # the worker's own id (Describe), named in resume tokens; None: unknown
 
     @property
     def healthy(self) -> bool: ...

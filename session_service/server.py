@@ -32,6 +32,7 @@ from duplex.v1 import session_pb2_grpc
 from session_service.auth import authenticator_for
 from session_service.config import ServiceConfig
 from session_service.discovery import DnsTarget, WorkerDiscovery, parse_workers
+from session_service.eviction import Evictor
 from session_service.placement import WorkerPool
 from session_service.plugin import DuplexModelPlugin
 from session_service.routing import Router, SessionRegistry
@@ -76,11 +77,20 @@ class SessionServer:
                 interval_s=config.workers_resolve_interval_s,
                 max_workers=config.max_workers,
             )
+        # Placement for runners and resumes; a resumed session moved off the worker its token
+        # names is evicted there.
+        self.evictor = Evictor(
+            self.pool,
+            self.registry,
+            limits=config.evictions,
+            attach_timeout_s=config.attach_timeout_s,
+            clock=clock,
+        )
         self.manager = SessionManager(
             plugin=plugin,
             config=config,
             registry=self.registry,
-            placer=self.pool.place,
+            placer=self.evictor.place,
             resume_max_age_s=config.resume_max_age_s,
             clock=clock,
         )
@@ -212,6 +222,7 @@ class SessionServer:
             await self._health_server.stop(None)
         if self.discovery is not None:
             await self.discovery.close()
+        await self.evictor.close()
         await self.pool.close()
         for task in list(self._tasks):
             task.cancel()

@@ -5,6 +5,12 @@ over from another one, rebuilding its settings and runtime config from the signe
 (see ``session_service.resume``). Resumes of one session id are serialized: a second resume
 that arrives while the first is taking the session over waits for it and then re-binds to the
 runner it created, so a replica never holds two runners of one session.
+
+Every token names the worker the session lives on (``ResumeClaims.worker_id``): it is issued
+once the session is placed, and refreshed when the session has moved. A takeover attaches the
+session on that worker first (``prefer``), so the takeover fences the previous owner out where
+the session lives; only when that worker is not healthy here does it move, and the placer then
+evicts it from the old worker (``session_service.eviction``).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import logging
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from duplex.clock import MONOTONIC, Clock
 from duplex.errors import (
@@ -49,7 +56,7 @@ from session_service.resume import (
     issue,
 )
 from session_service.routing import SessionRegistry
-from session_service.runner import ENDED_FOR_GOOD, Placer, RunnerDeps, SessionRunner, WorkerHandle
+from session_service.runner import ENDED_FOR_GOOD, RunnerDeps, SessionRunner, WorkerHandle
 from session_service.settings import settings_from_proto, struct_to_dict
 
 log = logging.getLogger(__name__)
@@ -59,6 +66,16 @@ FIRST_EPOCH = 1
 
 #: Sessions that ended here remembered at most (the oldest are forgotten first).
 MAX_ENDED_SESSIONS = 65_536
+
+
+class SessionPlacer(Protocol):
+    """A ``Placer`` that takes a preference: ``prefer`` names the worker to try first while it
+    is healthy (a resumed session's own: ``placement.WorkerPool.place``,
+    ``eviction.Evictor.place``). Runners call it as a plain ``Placer``."""
+
+    def __call__(
+        self, session_id: str, epoch: int, takeover: bool, *, prefer: str | None = None
+    ) -> Awaitable[tuple[WorkerHandle, int]]: ...
 
 
 @dataclass(slots=True)
@@ -76,12 +93,14 @@ class SessionManager:
         plugin: DuplexModelPlugin,
         config: ServiceConfig,
         registry: SessionRegistry,
-        placer: Placer,
+        placer: SessionPlacer,
         resume_max_age_s: float = DEFAULT_MAX_AGE_S,
         wall_clock: Callable[[], float] = time.time,
         clock: Clock = MONOTONIC,
     ) -> None:
-        """``wall_clock``: Unix time, for resume tokens' issue times; ``clock``: the runners'."""
+        """``placer``: places the sessions of this manager and of its runners (which call it as a
+        plain ``Placer``); ``wall_clock``: Unix time, for resume tokens' issue times; ``clock``:
+        the runners'."""
         self._plugin = plugin
         self._cfg = config
         self.registry = registry
@@ -190,9 +209,10 @@ class SessionManager:
         runtime: Mapping[str, object],
         client_extra: Mapping[str, object],
         principal: str,
+        worker_id: str = "",
         progress: SessionProgress | None = None,
     ) -> ResumeClaims:
-        return claims_for(
+        claims = claims_for(
             settings,
             plugin=self._plugin,
             session_id=session_id,
@@ -202,6 +222,36 @@ class SessionManager:
             now=self._wall_clock(),
             progress=progress,
         )
+        return dataclasses.replace(claims, worker_id=worker_id)
+
+    def _worker_of(self, runner: SessionRunner) -> str:
+        """The worker a session lives on: its link's, or, between a lost worker and its next
+        placement, the one its token names (the last known)."""
+        link = runner.link
+        if link is not None and link.worker_id:
+            return link.worker_id
+        try:
+            held = decode(
+                self._keys,
+                runner.resume_token,
+                session_id=runner.session_id,
+                max_age_s=self._max_age_s,
+                now=self._wall_clock(),
+            )
+        except InvalidResumeTokenError:
+            return ""
+        return held.worker_id
+
+    def _naming_worker(self, claims: ResumeClaims, token: str, link: WorkerHandle) -> str:
+        """``token``, or a new one if it does not say ``claims`` on the worker the session was
+        just placed on; kept as it is should the new one not fit (it then names an older worker
+        or none, which costs a takeover elsewhere its preference, not its correctness)."""
+        worker_id = link.worker_id or ""
+        try:
+            return self._current_token(dataclasses.replace(claims, worker_id=worker_id), token)
+        except ResumeTokenTooLargeError as exc:
+            log.warning("session %s: resume token does not name its worker: %s", claims.session_id, exc)
+            return token
 
     def _current_token(self, claims: ResumeClaims, token: str) -> str:
         """``token`` if it still says what ``claims`` say and is less than half its life old;
@@ -221,15 +271,16 @@ class SessionManager:
         return issue(self._keys, claims)
 
     def refresh_resume_token(self, runner: SessionRunner) -> str:
-        """Bring ``runner.resume_token`` up to date with its settings (``update``s change them)
-        and progress (turns, events, its last response) and return it. A session whose state no
-        longer fits in a token keeps its last one."""
+        """Bring ``runner.resume_token`` up to date with its settings (``update``s change them),
+        its worker (it may have moved) and its progress (turns, events, its last response), and
+        return it. A session whose state no longer fits in a token keeps its last one."""
         claims = self._claims(
             runner.session_id,
             runner.settings,
             runner.runtime_config,
             self._client_extra.get(runner.session_id, {}),
             runner.principal,
+            self._worker_of(runner),
             runner.progress(),
         )
         try:
@@ -286,13 +337,16 @@ class SessionManager:
                     )
                 self._plugin.validate_client_extra_body(extra)
                 runtime = await self._plugin.prepare_runtime_config(settings, extra)
-                token = issue(self._keys, self._claims(session_id, settings, runtime, extra, principal))
+                # Issued before placement too: a session that cannot have a token never starts.
+                claims = self._claims(session_id, settings, runtime, extra, principal)
+                token = issue(self._keys, claims)
             except DuplexError as err:
                 # The same stable code, but fatal: a session that cannot start ends the call.
                 raise BadRequestError(err.code, err.message) from err
             except ResumeTokenTooLargeError as exc:
                 raise BadRequestError(ErrorCode.INVALID_CONFIG, str(exc)) from exc
             link, epoch = await self._placer(session_id, FIRST_EPOCH, False)
+            token = self._naming_worker(claims, token, link)
         return self._start(session_id, principal, settings, runtime, extra, link, epoch, token)
 
     async def resume(self, msg: session_pb2.SessionResume, *, principal: str = ANONYMOUS) -> SessionRunner:
@@ -347,21 +401,22 @@ class SessionManager:
         with self._opening_for(principal):
             settings, extra, runtime = await self._restore(claims)
             try:
-                token = self._current_token(
-                    self._claims(claims.session_id, settings, runtime, extra, principal, claims.progress),
-                    token,
+                # takeover: the worker grants a higher epoch, fencing the previous owner out; on
+                # the worker the token names while it is healthy, for the owner is there.
+                link, epoch = await self._placer(
+                    claims.session_id, FIRST_EPOCH, True, prefer=claims.worker_id or None
                 )
-            except ResumeTokenTooLargeError:
-                pass  # the presented token still describes the session as it was
-            try:
-                # takeover: the worker grants a higher epoch, fencing the previous owner out.
-                link, epoch = await self._placer(claims.session_id, FIRST_EPOCH, True)
             except DuplexError as err:
                 if err.code == ErrorCode.SESSION_CLOSED:
                     raise NotFoundError(ErrorCode.SESSION_CLOSED, "the session was closed") from err
                 if err.code in (ErrorCode.STALE_EPOCH, ErrorCode.NOT_OWNER, ErrorCode.FENCED):
                     raise FencedError(ErrorCode.FENCED, f"session is fenced: {err.message}") from err
                 raise
+            # The presented token if it still says all this (kept, too, should a new one not fit).
+            now = self._claims(
+                claims.session_id, settings, runtime, extra, principal, progress=claims.progress
+            )
+            token = self._naming_worker(now, token, link)
         progress = dataclasses.replace(
             claims.progress, events=_events_seen(claims.progress.events, last_event_id)
         )

@@ -525,7 +525,8 @@ class FakeLink:
 
     address = "fake:1"
 
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str | None = "fake-worker") -> None:
+        self.worker_id = worker_id
         self.healthy = True
         self.subs: list[worker_pb2.Submission] = []
         self.aborts: list[worker_pb2.Abort] = []

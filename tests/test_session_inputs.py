@@ -50,6 +50,7 @@ from session_service.settings import (
     settings_from_proto,
     struct_to_dict,
 )
+from session_service.worker_link import MAX_WORKER_ID_LENGTH
 from tests.fakes import ManualClock
 from tests.session_helpers import Conversation, FakeLink, InProcessStack, drain
 
@@ -217,14 +218,16 @@ def test_instructions_are_bounded_as_the_resume_token_stores_them() -> None:
 
 
 class _Placer:
-    def __init__(self) -> None:
-        self.link = FakeLink()
+    def __init__(self, worker_id: str = "fake-worker") -> None:
+        self.link = FakeLink(worker_id)
 
     async def __call__(self, session_id: str, epoch: int, takeover: bool) -> tuple[WorkerHandle, int]:
         return self.link, epoch
 
 
-def _manager(plugin: DuplexModelPlugin | None = None, keys: ResumeKeys | None = None) -> SessionManager:
+def _manager(
+    plugin: DuplexModelPlugin | None = None, keys: ResumeKeys | None = None, *, worker_id: str = "fake-worker"
+) -> SessionManager:
     plugin = plugin or ParrotPlugin()
     cfg = ServiceConfig(
         plugin=plugin.plugin_id,
@@ -232,7 +235,7 @@ def _manager(plugin: DuplexModelPlugin | None = None, keys: ResumeKeys | None = 
         resume_keys=keys or ResumeKeys.single(b"s" * 32),
         max_sessions=8,
     )
-    return SessionManager(plugin=plugin, config=cfg, registry=SessionRegistry(), placer=_Placer())
+    return SessionManager(plugin=plugin, config=cfg, registry=SessionRegistry(), placer=_Placer(worker_id))
 
 
 def _open(
@@ -307,12 +310,17 @@ class _TextParrot(ParrotPlugin):
 #: The longest principal a session is guaranteed to fit in a token with (bytes of UTF-8).
 MAX_PRINCIPAL_BYTES = 1024
 
+#: The longest worker id a token names (``worker_link.MAX_WORKER_ID_LENGTH`` characters), in its
+#: longest UTF-8 form.
+WORST_WORKER_ID = "\U0001f600" * MAX_WORKER_ID_LENGTH
+
 
 async def test_a_maximal_session_always_fits_in_a_resume_token() -> None:
-    """Every setting at its longest, the longest key id, a 1 KiB principal: the open's token and
-    every refresh after updates that keep the session maximal are issued (never only a warning)."""
+    """Every setting at its longest, the longest key id, a 1 KiB principal, the longest worker
+    id: the open's token and every refresh after updates that keep the session maximal are
+    issued (never only a warning)."""
     keys = ResumeKeys({"k" * 32: b"s" * 32})
-    manager = _manager(_TextParrot(), keys)
+    manager = _manager(_TextParrot(), keys, worker_id=WORST_WORKER_ID)
     worst = '"' * (MAX_INSTRUCTIONS_BYTES // 2)  # 2 bytes each in the token
     principal = "\u00e9" * (MAX_PRINCIPAL_BYTES // 2)
     msg = _open(
@@ -328,6 +336,7 @@ async def test_a_maximal_session_always_fits_in_a_resume_token() -> None:
     assert len(runner.resume_token) <= resume.MAX_TOKEN_CHARS
     claims = resume.decode(keys, runner.resume_token, session_id=runner.session_id)
     assert claims.settings == runner.settings and claims.principal == principal
+    assert claims.worker_id == WORST_WORKER_ID
     # Updates to other worst cases: the token is refreshed each time (it says the new state).
     for text in ("\x01" * (MAX_INSTRUCTIONS_BYTES // 6), "\\" * (MAX_INSTRUCTIONS_BYTES // 2)):
         before = runner.resume_token
@@ -339,6 +348,7 @@ async def test_a_maximal_session_always_fits_in_a_resume_token() -> None:
         token = manager.refresh_resume_token(runner)
         assert token != before and len(token) <= resume.MAX_TOKEN_CHARS
         assert resume.decode(keys, token, session_id=runner.session_id).settings == runner.settings
+        assert resume.decode(keys, token, session_id=runner.session_id).worker_id == WORST_WORKER_ID
     # One byte more is refused, at the open and in an update (the session keeps its settings).
     with pytest.raises(DuplexError) as err:
         await manager.open(_open(instructions=worst + "x"), principal=principal)

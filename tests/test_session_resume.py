@@ -57,10 +57,15 @@ class FakePlacer:
     def __init__(self, *, hold: asyncio.Event | None = None) -> None:
         self.link = FakeLink()
         self.calls: list[tuple[str, int, bool]] = []
+        self.preferred: list[str | None] = []
+        """The ``prefer`` of every call."""
         self.hold = hold
 
-    async def __call__(self, session_id: str, epoch: int, takeover: bool) -> tuple[WorkerHandle, int]:
+    async def __call__(
+        self, session_id: str, epoch: int, takeover: bool, *, prefer: str | None = None
+    ) -> tuple[WorkerHandle, int]:
         self.calls.append((session_id, epoch, takeover))
+        self.preferred.append(prefer)
         if self.hold is not None:
             await self.hold.wait()
         return self.link, epoch + 1 if takeover else epoch
@@ -427,6 +432,56 @@ def test_keys_rotate_the_first_encrypts_all_decrypt_and_short_secrets_are_refuse
 
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+# ---- the worker the session lives on ------------------------------------------------------------
+
+
+def worker_named(token: str, session_id: str) -> str:
+    return resume.decode(SECRET, token, session_id=session_id, now=T0).worker_id
+
+
+async def test_the_token_names_the_worker_the_session_lives_on_and_follows_it() -> None:
+    a, placer_a = replica()
+    b, placer_b = replica()
+    placer_a.link = FakeLink("w-a")
+    r = await a.open(open_msg())
+    assert worker_named(r.resume_token, r.session_id) == "w-a"
+    assert events(r)[0].opened.resume_token == r.resume_token
+    # Its worker is lost: until it is placed again, its token names the last one it had.
+    r.on_worker_lost(placer_a.link)
+    assert worker_named(a.refresh_resume_token(r), r.session_id) == "w-a"
+    # Placed again elsewhere (its next input): the next token says so.
+    placer_a.link = FakeLink("w-b")
+    pcm = b"\x00\x00\x80\x3e" * 2 * 3072
+    await r.post(session_pb2.ClientEvent(append=session_pb2.InputAudioAppend(seq=1, pcm=pcm)))
+    await r.post(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
+    await settle()
+    assert r.link is placer_a.link
+    token = a.refresh_resume_token(r)
+    assert worker_named(token, r.session_id) == "w-b"
+    # A takeover elsewhere tries that worker first; its token names where the session went.
+    placer_b.link = FakeLink("w-c")
+    taken = await b.resume(resume_msg(r.session_id, token))
+    assert placer_b.preferred == ["w-b"]
+    assert worker_named(taken.resume_token, r.session_id) == "w-c"
+    assert events(taken)[0].opened.resume_token == taken.resume_token
+    await close_all(a, b)
+
+
+async def test_a_token_that_names_no_worker_still_resumes_without_a_preference() -> None:
+    a, _ = replica()
+    b, placer_b = replica()
+    r = await a.open(open_msg())
+    claims = resume.decode(SECRET, r.resume_token, session_id=r.session_id, now=T0)
+    # What a replica issued before tokens named workers: no "w" claim at all.
+    legacy = resume.issue(SECRET, dataclasses.replace(claims, worker_id=""))
+    assert worker_named(legacy, r.session_id) == ""
+    taken = await b.resume(resume_msg(r.session_id, legacy))
+    assert placer_b.preferred == [None] and placer_b.calls == [(r.session_id, 1, True)]
+    assert taken.settings == EXPECTED
+    assert worker_named(taken.resume_token, r.session_id) == "fake-worker"
+    await close_all(a, b)
 
 
 # ---- concurrency -------------------------------------------------------------------------------
