@@ -23,7 +23,10 @@ class RunnerConfig:
     """Bytes queued per session in each direction: client events waiting in the mailbox (the
     client is then read no further: backpressure), and server events waiting for the client (in
     the client's output format, so upsampled sizes count; a client that falls further behind is
-    cut off as a slow consumer). A session holds at most twice this."""
+    cut off as a slow consumer). The turn's input kept for failover (``session_service.replay``)
+    is bounded by it too, twice over (committed input, and input since): at most the plugin's
+    ``replay_window_s`` of worker audio each (parrot: 15 s, ~480 KB). A session holds at most
+    twice this plus that."""
     detached_grace_s: float = 30.0
     """How long a session whose stream ended without ``close`` waits for a resume before it is
     closed for good (capacity comes back; its token is then dead)."""

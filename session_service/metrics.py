@@ -79,7 +79,8 @@ FAILOVERS: Final = Counter(
     "duplex_session_turn_failovers",
     "Sessions moved off a lost or hung worker with their turn's input replayed on another, by "
     "result: replayed (the input is on the new worker), unavailable (no worker took it: the "
-    "turn failed), not_replayable (the model cannot be replayed: the turn failed).",
+    "turn failed), not_replayable (the model cannot be replayed, or turn failover is off: the turn "
+    "failed).",
     ["result"],
 )
 REPLAYED_FRAMES: Final = Counter(

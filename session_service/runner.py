@@ -179,9 +179,11 @@ class SessionRunner:
         deps: RunnerDeps,
         principal: str = ANONYMOUS,
         progress: SessionProgress | None = None,
+        restart_interrupted: bool = False,
     ) -> None:
         """``progress``: where a session taken over from another replica had got (its token's),
-        so turn and event numbering continue and an interrupted response restarts."""
+        so turn and event numbering continue; ``restart_interrupted``: the worker it was placed
+        on still holds its model state, so a response the token says was running restarts."""
         self.session_id = session_id
         self.principal = principal
         """Who opened the session: only they may resume it."""
@@ -252,7 +254,7 @@ class SessionRunner:
                 if status == ACTIVE:
                     # It had not ended when the replica streaming it was lost.
                     status = INTERRUPTED
-                    if self._replayable:
+                    if self._replayable and restart_interrupted:
                         # The worker still holds the committed input (the token named it).
                         self._restart = _Restart(progress.turn_id, None, None, "resumed")
                 self.last_response = (progress.last_response_id, progress.turn_id, status)
@@ -327,7 +329,8 @@ class SessionRunner:
         response_id, _, status = self.last_response or ("", 0, ACTIVE)
         return SessionProgress(
             turn_id=self.turn_id,
-            events=self.emitter.count,
+            # +1: a token goes out in an event numbered after it was made.
+            events=self.emitter.count + 1,
             last_response_id=response_id,
             last_response_status=int(status),
         )
@@ -489,6 +492,8 @@ class SessionRunner:
         if link is None or not link.healthy:
             link = await self._bound_link()
         fence = self._fence()
+        # The append's numbering belongs to this epoch, whatever a move does meanwhile.
+        ack_epoch = fence.epoch
         res = self.state.audio_buffer.reserve_append(ap.pcm)
         frames = res.frames
         try:
@@ -506,7 +511,7 @@ class SessionRunner:
                 if self.epoch == fence.epoch:
                     self._worker_seq = wseq
                     # Kept even when its worker was lost meanwhile: the move replays it.
-                    self.replay.appended(frames, epoch=fence.epoch, seq=wseq)
+                    self.replay.appended(frames, epoch=fence.epoch, seq=wseq, turn_id=fence.turn_id)
                     if self.link is link:  # else its worker is gone (the replay hands it on again)
                         self.acks.handed_on(wseq, len(frames) // self._frame_bytes)
         except BaseException:
@@ -518,10 +523,10 @@ class SessionRunner:
         self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes
         fmt = self.settings.input_format
         self._timeline.client(len(ap.pcm) // fmt.frame_bytes / fmt.sample_rate_hz)
-        if self.epoch == fence.epoch:
-            self.emitter.acks(self.acks.ack(ap.seq, fence.epoch, received))
-        else:  # cancelled meanwhile: the ack of an older epoch holds nothing back
-            self.emitter.acks((Ack(ap.seq, fence.epoch, (received,)),))
+        if self.epoch == ack_epoch:
+            self.emitter.acks(self.acks.ack(ap.seq, ack_epoch, received))
+        else:  # cancelled (or moved) meanwhile: the ack of an older epoch holds nothing back
+            self.emitter.acks((Ack(ap.seq, ack_epoch, (received,)),))
 
     async def _append_frames(self, link: WorkerHandle, fence: Fence, frames: bytes) -> int:
         """Write one APPEND of ``frames`` under the next worker seq; returns the seq."""
@@ -591,10 +596,10 @@ class SessionRunner:
         res.commit()
         if frames and self.epoch == fence.epoch:
             self._worker_seq += 1
-            self.replay.appended(frames, epoch=fence.epoch, seq=self._worker_seq)
+            self.replay.appended(frames, epoch=fence.epoch, seq=self._worker_seq, turn_id=fence.turn_id)
             self._handed_on(link, self._worker_seq, len(frames) // self._frame_bytes)
         if self.epoch == fence.epoch:
-            self.replay.committed()
+            self.replay.committed(fence.turn_id)
         samples = (
             self.state.input_since_commit_samples + len(frames) // self._plugin.worker_format.frame_bytes
         )
@@ -615,6 +620,8 @@ class SessionRunner:
         self.emitter.emit("cleared", session_pb2.InputCleared())
 
     async def _on_response_create(self, rc: session_pb2.ResponseCreate) -> None:
+        # Bound first: a move restarts an interrupted response, which this one must then not orphan.
+        await self._bound_link()
         if self.response is not None:
             raise BadEventError(ErrorCode.RESPONSE_IN_PROGRESS, "a response is already active")
         if self.turn_status is not TurnStatus.COMMITTED:
@@ -630,7 +637,10 @@ class SessionRunner:
             )
             params = self._plugin.worker_params(settings=self.settings, runtime_config=cfg, sampling=sampling)
             self.options_status = OptionsStatus.PENDING  # the session's own options return after it
-        await self._bound_link()
+        link = await self._bound_link()
+        if self.response is not None:  # (placing again may restart one)
+            raise BadEventError(ErrorCode.RESPONSE_IN_PROGRESS, "a response is already active")
+        del link
         self._start_response(self._commit_at, params)
 
     def _on_response_cancel(self, rc: session_pb2.ResponseCancel) -> None:
@@ -708,6 +718,8 @@ class SessionRunner:
         link = self.link
         if link is None or not link.healthy:
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the session's worker is unavailable")
+        if self.response is not None:  # never two: one would be orphaned (no response_done)
+            raise BadEventError(ErrorCode.RESPONSE_IN_PROGRESS, "a response is already active")
         if restart is None:
             self.turn_id += 1
         turn_id = restart.turn_id if restart is not None else self.turn_id
@@ -875,7 +887,7 @@ class SessionRunner:
             raise
         if self.epoch == resp.epoch:
             self._worker_seq = wseq
-            self.replay.appended(self._silence_frame, epoch=resp.epoch, seq=wseq)
+            self.replay.appended(self._silence_frame, epoch=resp.epoch, seq=wseq, turn_id=resp.turn_id)
             self._handed_on(link, wseq, 1)
         self._timeline.silence(self._clock.now(), self._frame_period)
         if resp.feeder is not None:
@@ -1005,10 +1017,24 @@ class SessionRunner:
         if granted > self.epoch:
             self._moved_to_epoch(granted)
         if self._replayable:
-            await self._replay_on(link)
+            try:
+                await self._replay_on(link)
+            except BaseException:
+                # Not on the new worker after all (a restart there would answer nothing): the
+                # next try places the session again and replays from the start.
+                if self.link is link:
+                    self._unbind_after_failed_replay(link)
+                raise
         if self._restart is not None:
             self._restart_response(link)
         return link
+
+    def _unbind_after_failed_replay(self, link: WorkerHandle) -> None:
+        link.release(
+            worker_pb2.Release(request_id=self.session_id, fence=self._fence().to_proto(), closed=False)
+        )
+        self._bind(None)
+        self.emitter.acks(self.acks.reset())
 
     def _moved_to_epoch(self, granted: int) -> None:
         """The new worker granted a higher epoch (it had fenced the session before): the client
@@ -1030,7 +1056,9 @@ class SessionRunner:
             FAILOVERS.labels(result="replayed").inc()
             return
         steps = [
-            ReplayStep(frames=None) if isinstance(item, Marker) else ReplayStep(item.frames, item.replay)
+            ReplayStep(frames=None, turn_id=item.turn_id)
+            if isinstance(item, Marker)
+            else ReplayStep(item.frames, item.replay, item.turn_id)
             for item in plan
         ]
         first = self._worker_seq + 1

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import re
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -420,8 +421,10 @@ class SessionManager:
         progress = dataclasses.replace(
             claims.progress, events=_events_seen(claims.progress.events, last_event_id)
         )
+        # Only the worker the token names holds the committed input an interrupted reply answers.
+        same_worker = bool(claims.worker_id) and link.worker_id == claims.worker_id
         return self._start(
-            claims.session_id, principal, settings, runtime, extra, link, epoch, token, progress
+            claims.session_id, principal, settings, runtime, extra, link, epoch, token, progress, same_worker
         )
 
     def _start(
@@ -435,6 +438,7 @@ class SessionManager:
         epoch: int,
         token: str,
         progress: SessionProgress | None = None,
+        restart_interrupted: bool = False,
     ) -> SessionRunner:
         """Build, register, greet and start the runner of an opened or taken-over session."""
         runner = SessionRunner(
@@ -447,6 +451,7 @@ class SessionManager:
             resume_token=token,
             deps=self._deps(),
             progress=progress,
+            restart_interrupted=restart_interrupted,
         )
         self._client_extra[session_id] = extra
         self._held[principal] += 1
@@ -472,6 +477,8 @@ class SessionManager:
         await asyncio.gather(*(r.wait_closed() for r in runners))
 
 
+_EVENT_ID = re.compile(r"se_([0-9]{1,20})", re.ASCII)
+
 #: How far past its token a client's ``last_event_id`` may move event numbering (a bound on what
 #: a client can make the server count from; ids are per session, so it harms no one else).
 MAX_EVENTS_AHEAD = 1 << 32
@@ -480,10 +487,10 @@ MAX_EVENTS_AHEAD = 1 << 32
 def _events_seen(from_token: int, last_event_id: str) -> int:
     """Events numbered before a takeover: the token's count, or the client's last ``se_N`` when
     it saw later ones (the lost replica numbered events after it issued the token)."""
-    prefix, _, number = last_event_id.partition("_")
-    if prefix != "se" or not number.isdigit() or len(number) > 20:
+    match = _EVENT_ID.fullmatch(last_event_id)
+    if match is None:
         return from_token
-    return max(from_token, min(int(number), from_token + MAX_EVENTS_AHEAD))
+    return max(from_token, min(int(match[1]), from_token + MAX_EVENTS_AHEAD))
 
 
 def _check_owner(owner: str, principal: str) -> None:

@@ -29,6 +29,8 @@ class ReplayStep:
     """Whole worker frames to APPEND; None for an explicit COMMIT."""
     replay: bool = False
     """A worker consumed these frames before and reported their news (``Submission.replay``)."""
+    turn_id: int = 0
+    """The turn they were first handed on under (their fence's ``turn_id`` again)."""
 
 
 @dataclass(slots=True)
@@ -73,9 +75,10 @@ class DuplexModelPlugin(ABC):
     moves to another one, replays, and restarts an interrupted response for the same turn. A
     model whose state depends on more than that input (say, a long generated context it cannot
     re-derive) leaves it off: a lost worker then fails the turn."""
-    replay_window_s: float = 30.0
-    """How much of the latest input the model's state depends on (e.g. the parrot keeps at most
-    15 s of utterance): the session keeps at most this much (and at most its buffer limit)."""
+    replay_window_s: float = 15.0
+    """How much input the model's state depends on (the parrot keeps at most 15 s of utterance):
+    the session keeps at most this much of the committed input a response answers and as much
+    of the input since (each also at most the session's buffer limit)."""
 
     # ---- session policy ----
 
@@ -178,20 +181,27 @@ class DuplexModelPlugin(ABC):
         params: Mapping[str, Any] | None,
     ) -> list[worker_pb2.Submission]:
         """Submissions that rebuild the session's model state on a new worker from its kept
-        input: ``steps`` in order, each an APPEND of whole frames (``replay``: a worker already
-        reported its news) or an explicit COMMIT (``frames`` None). APPEND seqs run from
-        ``first_seq``, one per APPEND step, in order (the runner numbers the input by them);
-        ``params`` (the session's options) go with the first submission."""
-        subs: list[worker_pb2.Submission] = []
+        input: a CLEAR first (should the worker still hold uncommitted input of the session, it
+        is not doubled), then ``steps`` in order, each an APPEND of whole frames (``replay``: a
+        worker already reported its news) or an explicit COMMIT (``frames`` None), under the
+        fence's epoch and the step's own turn. APPEND seqs run from ``first_seq``, one per
+        APPEND step, in order (the runner numbers the input by them); ``params`` (the
+        session's options) go with the first submission."""
+        subs = [
+            self.plan_control(
+                request_id=request_id, fence=fence, kind=worker_pb2.SUBMISSION_KIND_CLEAR, params=params
+            )
+        ]
         seq = first_seq
         for step in steps:
+            step_fence = Fence(fence.session_id, fence.epoch, step.turn_id)
             if step.frames is None:
                 subs.append(
                     self.plan_control(
                         request_id=request_id,
-                        fence=fence,
+                        fence=step_fence,
                         kind=worker_pb2.SUBMISSION_KIND_COMMIT,
-                        params=None if subs else params,
+                        params=None,
                     )
                 )
                 continue
@@ -202,8 +212,7 @@ class DuplexModelPlugin(ABC):
                 pcm=step.frames,
                 replay=step.replay,
             )
-            fence.write_to(sub.fence)
-            _set_params(sub, None if subs else params)
+            step_fence.write_to(sub.fence)
             subs.append(sub)
             seq += 1
         return subs

@@ -47,9 +47,10 @@ class ParrotPlugin(DuplexModelPlugin):
     silence_continuation = True
     # Its state (VAD, uncommitted input, the committed utterance) is a function of its recent
     # input: replaying that input on another worker rebuilds it. It keeps at most 15 s of
-    # utterance plus the silence that ends a turn, so 30 s of input is more than enough.
+    # utterance, so 15 s of each (committed, and since) is enough, and a replay of both stays
+    # within the worker's per-request input queue (1024 frames, ~33 s).
     replayable = True
-    replay_window_s = 30.0
+    replay_window_s = 15.0
 
     def __init__(self) -> None:
         self.data_plane = PcmDataPlane()
