@@ -915,6 +915,48 @@ def _worker_state(stack: Stack, within: float) -> dict[str, float]:
         time.sleep(0.2)
 
 
+@dataclass
+class Verdict:
+    """What a reply is, judged by its content (see the module docstring)."""
+
+    own: float | None = None
+    """Its score against the phrase its session spoke (None: too short to judge)."""
+    other: float = 0.0
+    """Its best score against any other phrase ..."""
+    other_phrase: int = -1
+    """... and which phrase that is."""
+    length: float = 0.0
+    """Its length in the phrase's speech spans."""
+    matches: bool = False
+    """It is the reply to its own phrase."""
+    answers: bool = False
+    """It matches, completed, and is complete: the turn is answered."""
+    wrong: bool = False
+    """It is the reply to another phrase: another session's."""
+
+
+def judge(matcher: Matcher, audio: np.ndarray, phrase: int, *, completed: bool) -> Verdict:
+    """Judge reply ``audio`` (16 kHz mono) of a session that spoke ``phrase``; a reply that did
+    not complete is compared with the beginnings of the expected replies."""
+    if len(audio) < MIN_JUDGED_S * 16000:
+        return Verdict()
+    scores = matcher.scores(audio, prefix=not completed)
+    own = float(scores[phrase])
+    other_phrase = max((j for j in range(PHRASES) if j != phrase), key=lambda j: float(scores[j]))
+    other = float(scores[other_phrase])
+    length = len(audio) / matcher.spans[phrase]
+    matches = own >= MATCH and own >= other + MARGIN
+    return Verdict(
+        own=own,
+        other=other,
+        other_phrase=other_phrase,
+        length=length,
+        matches=matches,
+        answers=matches and completed and length >= COMPLETE,
+        wrong=other >= MATCH and other >= own + MARGIN,
+    )
+
+
 def evaluate(
     callers: list[Caller], matcher: Matcher, keep: Path | None = None, *, keep_all: bool = False
 ) -> dict[str, Any]:
@@ -937,42 +979,33 @@ def evaluate(
         anomalies.update(c.anomalies)
         if c.failure:
             anomalies[f"session gave up: {c.failure}"] += 1
-        same = [j for j in range(PHRASES) if j == c.phrase]
         matches: dict[str, bool] = {}
         judged: dict[str, str] = {}
         for r in c.responses.values():
             statuses[_STATUS.get(r.status, "unfinished")] += 1
             audio = decode(bytes(r.pcm), PCM16K_MONO)[:, 0] if r.pcm else np.zeros(0, np.float32)
-            if len(audio) < MIN_JUDGED_S * 16000:
-                matches[r.response_id] = False
+            v = judge(matcher, audio, c.phrase, completed=r.status == COMPLETED)
+            matches[r.response_id] = v.answers
+            if v.own is None:
                 continue
-            scores = matcher.scores(audio, prefix=r.status != COMPLETED)
-            own = float(scores[c.phrase])
-            other = float(max(s for j, s in enumerate(scores) if j not in same))
-            other_phrase = int(max((j for j in range(PHRASES) if j not in same), key=lambda j: scores[j]))
-            own_scores.append(own)
-            other_scores.append(other)
-            if other >= MATCH and other >= own + MARGIN:
+            own_scores.append(v.own)
+            other_scores.append(v.other)
+            judged[r.response_id] = f" own={v.own:.2f} other={v.other:.2f} len={v.length:.2f}"
+            if v.wrong:
                 wrong.append(
                     {
                         "session": c.index,
                         "response_id": r.response_id,
-                        "own": round(own, 3),
-                        "other": round(other, 3),
-                        "phrase": other_phrase,
+                        "own": round(v.own, 3),
+                        "other": round(v.other, 3),
+                        "phrase": v.other_phrase,
                     }
                 )
-            ok = own >= MATCH and own >= other + MARGIN
-            complete = r.status == COMPLETED and len(audio) >= COMPLETE * matcher.spans[c.phrase]
-            if r.status == COMPLETED and ok:
-                lengths.append(len(audio) / matcher.spans[c.phrase])
-                by_phrase[c.phrase] = round(min(own, by_phrase.get(c.phrase, 1.0)), 3)
-            matches[r.response_id] = ok and complete
-            if keep is not None and (keep_all or (r.status == COMPLETED and not (ok and complete))):
+            if r.status == COMPLETED and v.matches:
+                lengths.append(v.length)
+                by_phrase[c.phrase] = round(min(v.own, by_phrase.get(c.phrase, 1.0)), 3)
+            if keep is not None and (keep_all or v.wrong or (r.status == COMPLETED and not v.answers)):
                 write_wav(keep / f"reply_s{c.index:02d}_p{c.phrase:02d}_{r.response_id}.wav", audio, 16000)
-            judged[r.response_id] = (
-                f" own={own:.2f} other={other:.2f} len={len(audio) / matcher.spans[c.phrase]:.2f}"
-            )
         for t in c.turns:
             if t.spoken is None or t.written < t.chunks:
                 counts["turns_unspoken"] += 1
