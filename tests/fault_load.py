@@ -406,7 +406,6 @@ class Turn:
     turn_ids: list[int] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
     replied: asyncio.Event = field(default_factory=asyncio.Event)
-    waited_out: bool = False
     in_flight_at_end: bool = False
 
 
@@ -440,7 +439,6 @@ class Caller:
         self.epoch = 0
         self.seq = 0
         self.call: Any = None
-        self.call_no = 0
         self.unsent: deque[Chunk] = deque()
         self.inflight: deque[Chunk] = deque()
         self.connected = asyncio.Event()
@@ -456,6 +454,8 @@ class Caller:
         self.failure = ""
         self.resumes: list[dict[str, Any]] = []
         self.resent = 0
+        self.late_s = 0.0
+        """Audio time this caller could not send in real time (it fell behind by more than 0.2 s)."""
         self.errors: Counter[str] = Counter()
         self.broken_calls: Counter[str] = Counter()
         self.anomalies: Counter[str] = Counter()
@@ -507,7 +507,6 @@ class Caller:
 
     def _attach(self, call: Any) -> None:
         self.call = call
-        self.call_no += 1
         self.connected.set()
         self._spawn(self._read(call))
 
@@ -579,7 +578,8 @@ class Caller:
                 self._attach(call)
             await self._flush()
             return
-        self.failure = f"no resume within {RESUME_WINDOW_S:g}s"
+        if not self.closing:
+            self.failure = f"no resume within {RESUME_WINDOW_S:g}s"
         self.ended.set()
 
     # ---- sending ---------------------------------------------------------------------------
@@ -694,6 +694,7 @@ class Caller:
             if delay > 0:
                 await asyncio.sleep(delay)
             elif delay < -0.2:  # fell behind (CPU): real time goes on, no burst
+                self.late_s += -delay
                 due = loop.time()
             await self._emit(pcm, turn)
 
@@ -708,7 +709,6 @@ class Caller:
             while not turn.replied.is_set() and self.now() < wait_until and not self.ended.is_set():
                 await tick(self.silence, None)
             if not turn.replied.is_set():
-                turn.waited_out = True
                 turn.in_flight_at_end = self.now() >= hard_end
             pause_until = self.now() + PAUSE_S
             while self.now() < pause_until and not self.ended.is_set():
@@ -1025,6 +1025,7 @@ def evaluate(
                         "session": c.index,
                         "turn": t.index,
                         "spoken_at": round(t.spoken, 3),
+                        "turn_ids": t.turn_ids,
                         "responses": [
                             f"{_STATUS.get(c.responses[rid].status, 'unfinished')}"
                             f"{':' + c.responses[rid].reason if c.responses[rid].reason else ''}"
@@ -1098,6 +1099,7 @@ def run(opts: Options) -> dict[str, Any]:
         "resumes": sum(len(c.resumes) for c in callers),
         "resume_s_max": max((r["took_s"] for c in callers for r in c.resumes), default=0.0),
         "appends_resent": sum(c.resent for c in callers),
+        "late_s": round(sum(c.late_s for c in callers), 1),
         "responses": result["responses"],
         "error_codes": result["errors"],
         "broken_calls": result["broken_calls"],
@@ -1145,6 +1147,7 @@ def summary(report: dict[str, Any], out: IO[str]) -> None:
     )
     line("  of them not fully acknowledged", r["turns_unacked_unanswered"])
     line("appends re-sent after a resume", r["appends_resent"])
+    line("seconds of audio the callers fell behind", r["late_s"], "(over all sessions; 0: real time kept)")
     print(f"  responses: {r['responses']}", file=out)
     print(f"  error codes: {r['error_codes'] or '-'}", file=out)
     print(f"  broken calls: {r['broken_calls'] or '-'}", file=out)
