@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from duplex.errors import from_rpc_error
 from duplex.v1 import worker_pb2, worker_pb2_grpc
 from tests.session_helpers import sample
 from tests.worker_helpers import (
@@ -227,6 +228,23 @@ async def test_takeover_fences_the_old_owner() -> None:
         assert {e.request_id for m in got_new for e in m.batch} == {"n1"}
         old.close()
         new.close()
+
+
+async def test_a_takeover_of_a_session_at_the_highest_epoch_is_stale_not_an_overflow() -> None:
+    """Found by tests/live_fuzz.py: a takeover of a session at epoch 2^64-1 was granted 2^64,
+    which no message can carry: the Attach ended with UNKNOWN (a traceback in the worker's log)
+    and the session's fence held an epoch no submission could name."""
+    top = 2**64 - 1
+    async with worker() as (server, stub):
+        assert await attach(stub, "s1", "old", epoch=top) == top
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await attach(stub, "s1", "new", epoch=top, takeover=True)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert from_rpc_error(err.value).code == "stale_epoch"
+        assert server.fences.current("s1") == (top, "old")
+        # Below the top a takeover still gets the next epoch.
+        assert await attach(stub, "s2", "old", epoch=top - 1) == top - 1
+        assert await attach(stub, "s2", "new", epoch=1, takeover=True) == top
 
 
 async def test_bad_submissions_get_errors_and_others_go_on() -> None:
