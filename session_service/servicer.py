@@ -161,6 +161,8 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 await runner.post(ev if ev is not None else session_pb2.ClientEvent())
         except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
             return  # dropped stream: the runner waits the detached grace for a resume
+        except grpc.aio.AbortError:
+            return  # the call was ended here (a slow consumer cut off) while a read waited
         except Exception:
             log.exception("session %s: reading the client stream failed", runner.session_id)
             return
