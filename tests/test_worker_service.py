@@ -4,7 +4,9 @@ the parrot turn, bad submissions, health and reflection."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -245,6 +247,39 @@ async def test_a_takeover_of_a_session_at_the_highest_epoch_is_stale_not_an_over
         # Below the top a takeover still gets the next epoch.
         assert await attach(stub, "s2", "old", epoch=top - 1) == top - 1
         assert await attach(stub, "s2", "new", epoch=1, takeover=True) == top
+
+
+async def test_a_run_stream_dropped_while_the_worker_waits_to_write_leaves_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by tests/live_fuzz.py: an owner that stops reading its Run stream (the worker then
+    waits in a write: the transport's window is full) and drops it: the write failed inside
+    gRPC's handling of the response stream, which logged "ExecuteBatchError raised in core by
+    servicer method" with a traceback. The client keeps its window at 64 KiB (no BDP probing;
+    a gRPC client otherwise grows it and buffers what nobody reads)."""
+    async with worker() as (server, _):
+        options = [("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(server.address, options=options) as ch:
+            stub = worker_pb2_grpc.DuplexWorkerStub(ch)
+            await attach(stub, "s1", "deaf")
+            # An utterance, its reply, and silence that steps about 300 KB of reply out.
+            subs = [sub("s1", "s1", APPEND, seq=i + 1, data=pcm(noise(8, i, 0.3))) for i in range(8)]
+            subs += [sub("s1", "s1", COMMIT), sub("s1", "s1", RESPOND, turn=1)]
+            silence = b"\x00" * 8 * FRAME * 2
+            subs += [sub("s1", "s1", APPEND, turn=1, seq=9 + i, data=silence) for i in range(40)]
+
+            async def commands() -> AsyncIterator[worker_pb2.WorkerCommand]:
+                yield worker_pb2.WorkerCommand(owner="deaf", submit=subs)
+                await asyncio.sleep(30)
+
+            call = stub.Run(commands())
+            # The worker's writer waits: its steps for the owner queue up.
+            await wait_until(lambda: sample("duplex_worker_queue_depth", {"queue": "output"}) > 20)
+            call.cancel()
+            await wait_until(lambda: server.owners() == [])
+            await asyncio.sleep(0.2)
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert failed == [], [f"{r.name}: {r.getMessage()}" for r in failed]
 
 
 async def test_bad_submissions_get_errors_and_others_go_on() -> None:
