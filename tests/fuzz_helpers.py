@@ -96,10 +96,24 @@ class HealthyTalker:
         t0 = time.monotonic()
         start = len(conv.events)
         phase = -(conv.sent_bytes // 2) % 512  # where the utterance sits in the worker's frame grid
-        # The parrot answers one frame per input frame: silence for turn detection and the reply.
-        pcm = utterance_pcm(voice, PCM16K_MONO, tail_s=0.8 + len(voice) / 16000 + 0.4)
+        pcm = utterance_pcm(voice, PCM16K_MONO, tail_s=0.8)  # silence for turn detection
         await conv.stream(pcm, PCM16K_MONO, speedup=self.speedup)
-        done = (await conv.wait_kind("response_done", start=start, within=60)).response_done
+        # The parrot answers one frame per input frame: silence steps the reply out until it is
+        # done. (Sent ahead of real time, the server would feed none: this client's audio covers
+        # more than the time that has passed. Silence sent before the response began, while its
+        # RESPOND was on the way, steps no reply.)
+        silence = b"\x00\x00" * 1600  # 100 ms
+        for _ in range(int(len(voice) / 1600) + 100):
+            if any(e.HasField("response_done") for e in conv.events[start:]):
+                break
+            conv.append(silence)
+            pcm += silence
+            await asyncio.sleep(0.1 / self.speedup)
+        try:
+            done = (await conv.wait_kind("response_done", start=start, within=60)).response_done
+        except TimeoutError:
+            tail = story(conv.events[start:])[-1500:]
+            raise AssertionError(f"no response_done within 60 s of a turn's end; the turn: {tail}") from None
         got = b"".join(
             e.audio_delta.pcm
             for e in conv.events[start:]
