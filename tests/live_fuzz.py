@@ -25,6 +25,9 @@ Attacks, each in a loop of its own until the time is up (all at once):
   formats out of range, response_create with NaN, cancels of unknown responses, huge
   playback_ack and function_call_output, empty events and 200 KB event ids, second opens;
 - ``rapid``: open then close at once, open then drop before the answer, open then half-close;
+- ``resumes``: a live session resumed by three streams at once, then dropped and resumed within
+  the grace, then closed and resumed (``session_closed``);
+- ``idle``: a session left open and silent on a live stream until the idle timeout closes it;
 - ``abandoned``: streams that open and are dropped without close (``--abandoned``: 1000 per
   30 s, paced over the run), and streams dropped before they send anything;
 - ``never_reading``: sessions whose client never reads what comes back (a reply upsampled to
@@ -98,6 +101,7 @@ from tests.session_helpers import (
 #: How far above its baseline a process's RSS may stay after the load (see the module docstring).
 RSS_SLACK_MIB = 48
 DETACHED_GRACE_S = 2.0
+IDLE_TIMEOUT_S = 10.0
 ORPHAN_GRACE_S = 2.0
 ATTACH_LEASE_S = 2.0
 #: How long the gauges may take to come back once the attacks stop: the graces plus room.
@@ -247,9 +251,11 @@ class Fuzz:
         where: str,
         *,
         close: bool = True,
+        half_close: bool = True,
         deadline_s: float = 20.0,
     ) -> Outcome:
-        """Write ``events`` (then ``close``, then half-close), read the call to its end."""
+        """Write ``events`` (then ``close``, then half-close unless not ``half_close``), read the
+        call to its end."""
         out = Outcome()
         call = session_pb2_grpc.DuplexSessionStub(channel).Converse(timeout=deadline_s)
 
@@ -259,7 +265,8 @@ class Fuzz:
                     await call.write(e)
                 if close:
                     await call.write(ev("bye", close=session_pb2.SessionClose()))
-                await call.done_writing()
+                if half_close:
+                    await call.done_writing()
 
         writer = asyncio.create_task(write())
         try:
@@ -456,6 +463,59 @@ class Fuzz:
         if out.status is not None or not out.events or out.events[-1].WhichOneof("event") != "closed":
             self.problem(f"bad_events: the session did not go on to its close ({out.status} {out.code})")
         self.attacks["bad_events"] += 1
+
+    async def resumes(self, ch: grpc.aio.Channel) -> None:
+        """A session resumed while its stream is live, by several streams at once, after its
+        stream was dropped, and after it was closed (``session_closed``)."""
+        stub = session_pb2_grpc.DuplexSessionStub(ch)
+        first = stub.Converse(timeout=20)
+        try:
+            await first.write(open_ev())
+            opened = await first.read()
+            if opened is grpc.aio.EOF or not opened.HasField("opened"):
+                self.problem(f"resumes: the open was answered with {opened}")
+                return
+            o = opened.opened
+            resume = ev(
+                resume=session_pb2.SessionResume(session_id=o.session_id, resume_token=o.resume_token)
+            )
+            calls = [stub.Converse(timeout=20) for _ in range(3)]  # at once: one wins, in turn
+            for c in calls:
+                await c.write(resume)
+            outcomes = []
+            for c in calls:
+                try:
+                    outcomes.append(await c.read())
+                except grpc.aio.AioRpcError as exc:
+                    self.note_status("resumes", exc)
+            if not any(x is not grpc.aio.EOF and x.HasField("opened") for x in outcomes):
+                self.problem(f"resumes: no resume of a live session was opened: {outcomes}")
+            for c in calls:
+                c.cancel()  # dropped: the session waits the detached grace
+            first.cancel()
+            again = await self.converse(ch, [resume], "resumes", close=True)
+            if again.status is not None:
+                self.problem(f"resumes: a resume within the grace ended with {again.status} {again.code}")
+            # Closed by that close: its token is dead.
+            dead = await self.converse(ch, [resume], "resumes", close=False)
+            if dead.code != "session_closed":
+                self.problem(f"resumes: a resume of a closed session ended with {dead.status} {dead.code!r}")
+        except grpc.aio.AioRpcError as exc:
+            self.note_status("resumes", exc)
+        finally:
+            first.cancel()
+        self.attacks["resumes"] += 1
+
+    async def idle(self, ch: grpc.aio.Channel) -> None:
+        """A session opened and left idle on a live stream: the idle timeout (10 s) closes it."""
+        if self._deadline - time.monotonic() < IDLE_TIMEOUT_S + 3:
+            await asyncio.sleep(1)
+            return
+        out = await self.converse(ch, [open_ev()], "idle", close=False, half_close=False)
+        reasons = [e.closed.reason for e in out.events if e.HasField("closed")]
+        if out.status is not None or reasons != ["idle_timeout"]:
+            self.problem(f"idle: an idle session ended with {out.status} {out.code!r}, closed {reasons}")
+        self.attacks["idle"] += 1
 
     async def rapid(self, ch: grpc.aio.Channel) -> None:
         stub = session_pb2_grpc.DuplexSessionStub(ch)
@@ -768,6 +828,8 @@ class Fuzz:
             "bad_pcm": lambda: self.loop("bad_pcm", self.bad_pcm),
             "bad_events": lambda: self.loop("bad_events", self.bad_events),
             "rapid": lambda: self.loop("rapid", self.rapid),
+            "resumes": lambda: self.loop("resumes", self.resumes),
+            "idle": lambda: self.loop("idle", self.idle),
             "abandoned": self.abandoned,
             "never_reading": lambda: self.loop_plain("never_reading", self.never_reading, 0.5),
             "worker": lambda: self.loop_plain("worker", self.worker_calls, 0.2),
@@ -866,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
         "--attacks",
         default="",
         help="only these attacks, comma-separated (before_open, bad_open, bad_pcm, bad_events, rapid, "
-        "abandoned, never_reading, worker; default: all)",
+        "resumes, idle, abandoned, never_reading, worker; default: all)",
     )
     p.add_argument("--keep-logs", type=Path, default=None, help="copy the servers' logs here")
     args = p.parse_args(argv)
@@ -893,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--detached-grace-s",
                         str(DETACHED_GRACE_S),
                         "--idle-timeout-s",
-                        "10",
+                        str(IDLE_TIMEOUT_S),
                         # A client that stops reading is cut off past 1 MiB (4 MiB by default):
                         # reachable in seconds by the never-reading clients.
                         "--max-session-buffer-bytes",
