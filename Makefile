@@ -6,7 +6,7 @@ PROTOS := $(wildcard proto/duplex/v1/*.proto)
 PROTOC  = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Iproto \
           --python_out=$(1) --grpc_python_out=$(1) --mypy_out=$(1) --mypy_grpc_out=$(1)
 
-.PHONY: setup proto proto-check test lint bench demo up clean images deploy-check soak
+.PHONY: setup proto proto-check test fuzz lint bench demo up clean images deploy-check soak
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,13 @@ proto-check: setup
 
 test: setup proto-check
 	$(BIN)/python -m pytest -q
+
+# The live fuzz (tests/live_fuzz.py): hostile clients against a real worker and session service
+# while a healthy client talks; fails if an invariant breaks. CI runs 30 s (about 45 s in all);
+# longer: make fuzz FUZZ_SECONDS=600
+FUZZ_SECONDS ?= 30
+fuzz: setup
+	$(BIN)/python -m tests.live_fuzz --seconds $(FUZZ_SECONDS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 from duplex.v1 import common_pb2
 
-__all__ = ["Fence"]
+__all__ = ["MAX_EPOCH", "Fence"]
+
+#: The highest epoch a fence can carry (``uint64`` on the wire): nothing may grant a higher one.
+MAX_EPOCH = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -208,6 +208,10 @@ class SessionRunner:
         self.input_status = InputStatus.OPEN
         self.turn_status = TurnStatus.LISTENING
         self.seq_status = SeqStatus.IN_EPOCH
+        self._seq_epoch = epoch
+        """The epoch the client's append numbering belongs to: it restarts at 1 only once the
+        client has seen ``audio_cancelled``, so appends it sent before carry on the old one (and
+        are acked in that epoch: acks never go backwards within an epoch)."""
         self.options_status = OptionsStatus.PENDING  # the first submission carries them
         self.response: ActiveResponse | None = None
         self._response_idle = asyncio.Event()
@@ -478,6 +482,7 @@ class SessionRunner:
         if self.seq_status is SeqStatus.RESTART_ALLOWED and ap.seq == 1:
             # The client saw audio_cancelled and restarted; appends it sent before are behind us.
             self.seq_status = SeqStatus.IN_EPOCH
+            self._seq_epoch = self.epoch
             self._last_seq = 0
         if ap.seq <= self._last_seq:
             raise BadEventError(ErrorCode.SEQ_OUT_OF_ORDER, f"seq {ap.seq} after {self._last_seq}")
@@ -488,12 +493,11 @@ class SessionRunner:
                 retryable=True,
             )
         self._last_seq = ap.seq
+        seq_epoch = self._seq_epoch
         link = self.link
         if link is None or not link.healthy:
             link = await self._bound_link()
         fence = self._fence()
-        # The append's numbering belongs to this epoch, whatever a move does meanwhile.
-        ack_epoch = fence.epoch
         res = self.state.audio_buffer.reserve_append(ap.pcm)
         frames = res.frames
         try:
@@ -523,10 +527,12 @@ class SessionRunner:
         self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes
         fmt = self.settings.input_format
         self._timeline.client(len(ap.pcm) // fmt.frame_bytes / fmt.sample_rate_hz)
-        if self.epoch == ack_epoch:
-            self.emitter.acks(self.acks.ack(ap.seq, ack_epoch, received))
-        else:  # cancelled (or moved) meanwhile: the ack of an older epoch holds nothing back
-            self.emitter.acks((Ack(ap.seq, ack_epoch, (received,)),))
+        # Acked in the epoch of the client's numbering (older than the fence's when the client
+        # appended on before it saw audio_cancelled, or the session moved meanwhile).
+        if self.epoch == fence.epoch:
+            self.emitter.acks(self.acks.ack(ap.seq, seq_epoch, received))
+        else:  # cancelled meanwhile: the ack of an older epoch holds nothing back
+            self.emitter.acks((Ack(ap.seq, seq_epoch, (received,)),))
 
     async def _append_frames(self, link: WorkerHandle, fence: Fence, frames: bytes) -> int:
         """Write one APPEND of ``frames`` under the next worker seq; returns the seq."""

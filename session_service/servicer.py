@@ -2,8 +2,9 @@
 
 The first client event must be ``open`` or ``resume`` (anything else is answered with a
 ``session_not_open`` error event). After that a reader task feeds the session's mailbox while
-this handler writes the session's one outbound queue to the stream. A dropped stream leaves the
-runner alive for a resume until its idle timeout; a half-closed stream closes the session.
+this handler writes the session's one outbound queue to the stream (``context.write``). A dropped
+stream leaves the runner alive for a resume for the detached grace; a half-closed stream closes
+the session.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
@@ -47,11 +48,16 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         self._open_timeout_s = open_timeout_s
         self._principal_of = principal_of
 
-    async def Converse(
+    async def Converse(  # type: ignore[override]  # a coroutine writing with context.write
         self,
         request_iterator: AsyncIterator[session_pb2.ClientEvent],
         context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
-    ) -> AsyncIterator[session_pb2.ServerEvent]:
+    ) -> None:
+        """The call, read with ``context.read()`` (see ``_client_events``) and written with
+        ``context.write()``: a write that waits for a client that stopped reading fails when the
+        call ends (dropped, or cut off here as a slow consumer), and it fails here, where that
+        is expected, not inside gRPC's handling of a response generator (which logs it as an
+        error with a traceback)."""
         try:
             principal = self._principal_of(context)
         except DuplexError as err:
@@ -94,7 +100,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                         ),
                     )
                 ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
-                yield session_pb2.ServerEvent(
+                refusal = session_pb2.ServerEvent(
                     event_id=f"pre_{refused}",
                     error=session_pb2.Error(
                         code=ErrorCode.SESSION_NOT_OPEN.value,
@@ -102,6 +108,8 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                         event_id=ev.event_id,
                     ),
                 )
+                if not await _write(context, refusal):
+                    return
         cut_off: list[asyncio.Task[None]] = []
 
         def on_slow_consumer() -> None:
@@ -120,7 +128,8 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 out = await runner.outbound.get(attachment)
                 if out is None:
                     break
-                yield out
+                if not await _write(context, out, ended=lambda: bool(cut_off)):
+                    break  # the call ended while the write waited
             if cut_off:
                 await cut_off[0]  # the call ends with slow_consumer, not OK
         finally:
@@ -171,6 +180,8 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 await runner.post(ev if ev is not None else session_pb2.ClientEvent())
         except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
             return  # dropped stream: the runner waits the detached grace for a resume
+        except grpc.aio.AbortError:
+            return  # the call was ended here (a slow consumer cut off) while a read waited
         except Exception:
             log.exception("session %s: reading the client stream failed", runner.session_id)
             return
@@ -182,6 +193,27 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         # Half-close by the client ends the session, unless a resumed stream has taken over.
         if runner.outbound.current_attachment == attachment:
             await runner.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+
+
+async def _write(
+    context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
+    event: session_pb2.ServerEvent,
+    *,
+    ended: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Write one event; False when the call ended while the write waited: the client dropped
+    it, or ``ended()``, it was aborted here. A failed write means the transport gave up on the
+    call (gRPC may not have marked the context cancelled yet): a message already built always
+    serializes."""
+    try:
+        await context.write(event)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if not (ended() or context.cancelled() or context.done()):
+            log.info("a write to a client failed (%s): the call is over", type(exc).__name__)
+        return False
+    return True
 
 
 async def _client_events(

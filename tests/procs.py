@@ -58,10 +58,16 @@ def spawn(
 
 
 def start_service(
-    args: list[str], *, timeout: float = 60.0, env: dict[str, str] | None = None
+    args: list[str],
+    *,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    stderr: int | None = None,
 ) -> ServiceProcess:
-    """Run ``python -m duplex ARGS`` and wait for its one-line JSON "listening" announcement."""
-    proc = spawn(args, env=env)
+    """Run ``python -m duplex ARGS`` and wait for its one-line JSON "listening" announcement.
+
+    ``stderr``: a file descriptor for the child's stderr (None inherits it)."""
+    proc = spawn(args, env=env, stderr=stderr)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 
 import grpc
 import pytest
@@ -137,6 +138,70 @@ async def test_a_slow_consumer_is_cut_off_at_once_and_its_queue_dropped() -> Non
     assert cut == [True]  # the servicer is told to end the call now
     assert len(r.outbound) == 0  # nothing is held for a client that does not read
     assert link.releases[-1].closed
+
+
+@pytest.mark.stack(runner={"max_buffer_bytes": 64 * 1024})
+async def test_a_client_that_never_reads_is_cut_off_end_to_end_without_a_traceback(
+    stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by tests/live_fuzz.py: cutting off a slow consumer aborts the call while the
+    servicer's reader waits in ``context.read()``, which then raised ``AbortError``: logged as
+    "reading the client stream failed" with a traceback, for every slow consumer.
+
+    The client's transport must stop taking data too (a gRPC client grows its receive window
+    with the bandwidth-delay estimate, absorbing megabytes nobody reads): BDP probing is off,
+    so the window stays at 64 KiB. Refused events echo their ``event_id``: 6 KB ids fill the
+    transport (the servicer then waits in its write) and then the session's 64 KiB outbound
+    queue. The write that waited failed inside gRPC, which logged it with a traceback too."""
+    options = [("grpc.http2.bdp_probe", 0)]
+    async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
+        call = session_pb2_grpc.DuplexSessionStub(ch).Converse(timeout=20)
+        await call.write(open_event())
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            for _ in range(60):
+                await asyncio.wait_for(call.write(session_pb2.ClientEvent(event_id="x" * 6_000)), 5)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async with asyncio.timeout(15):
+                async for _ in call:  # what was delivered before the cut, then the status
+                    pass
+        err = from_rpc_error(ended.value)
+        assert (ended.value.code(), err.code) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "slow_consumer")
+        await wait_until(lambda: len(stack.session.registry) == 0)
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert failed == [], [f"{r.name}: {r.getMessage()}" for r in failed]
+
+
+@pytest.mark.parametrize("cut_off", [False, True], ids=["dropped", "cut_off_then_dropped"])
+async def test_a_stream_dropped_while_the_server_waits_to_write_leaves_no_traceback(
+    cut_off: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by tests/live_fuzz.py: a client that stops reading, so that the servicer waits in
+    a write (the transport's window is full), and then drops its stream (or is cut off as a
+    slow consumer first): the write failed inside gRPC's handling of the response stream, which
+    logged "ExecuteBatchError raised in core by servicer method" with a traceback."""
+    runner = {"max_buffer_bytes": 256 * 1024, "detached_grace_s": 30.0}
+    async with in_process_stack(runner=runner) as stack:
+        options = [("grpc.http2.bdp_probe", 0)]  # the window stays at 64 KiB (see above)
+        async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
+            call = session_pb2_grpc.DuplexSessionStub(ch).Converse(timeout=20)
+            await call.write(open_event())
+            await wait_until(lambda: len(stack.session.registry) == 1)
+            (runner_,) = list(stack.session.registry)
+            # 60 KB error events: past the transport's window (100 KB), or past the queue too.
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                for _ in range(8 if cut_off else 2):
+                    await asyncio.wait_for(call.write(session_pb2.ClientEvent(event_id="x" * 60_000)), 5)
+            if cut_off:
+                await wait_until(lambda: runner_.closed)
+                assert runner_.close_reason == "slow_consumer"
+            else:
+                await wait_until(lambda: len(runner_.outbound) == 0)  # the servicer took the last one
+                await asyncio.sleep(0.1)
+            call.cancel()
+            await wait_until(lambda: runner_.closed or runner_._detached_at is not None)
+            await asyncio.sleep(0.2)
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert failed == [], [f"{r.name}: {r.getMessage()}" for r in failed]
 
 
 def _turn_end(r: SessionRunner):  # type: ignore[no-untyped-def]

@@ -527,6 +527,28 @@ async def test_cancel_releases_held_acks_and_worker_seqs_restart_with_the_epoch(
     assert acks(drain(r)) == [(5, 2)]
 
 
+async def test_appends_in_the_old_numbering_are_acked_in_the_epoch_they_belong_to() -> None:
+    """Found by tests/test_session_fuzz.py: after the server's own barge-in a client appends on
+    in its old numbering until it reads ``audio_cancelled``, then restarts at 1. Those appends
+    were acked in the new epoch, so the new epoch's acks went 3, 4, 1, 2 (backwards), and a
+    client keeping its acked seq per epoch took seq 1..4 of the new epoch for acked."""
+    link = FakeLink()
+    r = make_runner(link)
+    await _hand_on(r, range(1, 3))
+    r.cancel("barge_in")  # turn detection heard the user during a reply: 1 -> 2
+    r.cancel("barge_in")  # and again before the client read either: 2 -> 3
+    await _hand_on(r, range(3, 5))  # sent before the client saw audio_cancelled
+    await _hand_on(r, range(1, 3))  # it restarted at 1
+    evs = drain(r)
+    assert acks(evs) == [(1, 1), (2, 1), (3, 1), (4, 1), (1, 3), (2, 3)]
+    # All of it was input of the current epoch for the worker, numbered afresh.
+    assert [(s.fence.epoch, s.seq) for s in link.subs[-4:]] == [(3, 1), (3, 2), (3, 3), (3, 4)]
+    # Another cancel: seq 3 carries on the numbering the client started in epoch 3.
+    r.cancel("response_cancel")
+    await _hand_on(r, range(3, 4))
+    assert acks(drain(r)) == [(3, 3)]
+
+
 async def test_a_lost_worker_or_a_rejected_append_never_leaves_acks_held() -> None:
     link = FakeLink()
     r = make_runner(link, turn_failover=False, **HOLD)

@@ -4,7 +4,9 @@ the parrot turn, bad submissions, health and reflection."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from duplex.errors import from_rpc_error
 from duplex.v1 import worker_pb2, worker_pb2_grpc
 from tests.session_helpers import sample
 from tests.worker_helpers import (
@@ -227,6 +230,56 @@ async def test_takeover_fences_the_old_owner() -> None:
         assert {e.request_id for m in got_new for e in m.batch} == {"n1"}
         old.close()
         new.close()
+
+
+async def test_a_takeover_of_a_session_at_the_highest_epoch_is_stale_not_an_overflow() -> None:
+    """Found by tests/live_fuzz.py: a takeover of a session at epoch 2^64-1 was granted 2^64,
+    which no message can carry: the Attach ended with UNKNOWN (a traceback in the worker's log)
+    and the session's fence held an epoch no submission could name."""
+    top = 2**64 - 1
+    async with worker() as (server, stub):
+        assert await attach(stub, "s1", "old", epoch=top) == top
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await attach(stub, "s1", "new", epoch=top, takeover=True)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert from_rpc_error(err.value).code == "stale_epoch"
+        assert server.fences.current("s1") == (top, "old")
+        # Below the top a takeover still gets the next epoch.
+        assert await attach(stub, "s2", "old", epoch=top - 1) == top - 1
+        assert await attach(stub, "s2", "new", epoch=1, takeover=True) == top
+
+
+async def test_a_run_stream_dropped_while_the_worker_waits_to_write_leaves_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by tests/live_fuzz.py: an owner that stops reading its Run stream (the worker then
+    waits in a write: the transport's window is full) and drops it: the write failed inside
+    gRPC's handling of the response stream, which logged "ExecuteBatchError raised in core by
+    servicer method" with a traceback. The client keeps its window at 64 KiB (no BDP probing;
+    a gRPC client otherwise grows it and buffers what nobody reads)."""
+    async with worker() as (server, _):
+        options = [("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(server.address, options=options) as ch:
+            stub = worker_pb2_grpc.DuplexWorkerStub(ch)
+            await attach(stub, "s1", "deaf")
+            # An utterance, its reply, and silence that steps about 300 KB of reply out.
+            subs = [sub("s1", "s1", APPEND, seq=i + 1, data=pcm(noise(8, i, 0.3))) for i in range(8)]
+            subs += [sub("s1", "s1", COMMIT), sub("s1", "s1", RESPOND, turn=1)]
+            silence = b"\x00" * 8 * FRAME * 2
+            subs += [sub("s1", "s1", APPEND, turn=1, seq=9 + i, data=silence) for i in range(40)]
+
+            async def commands() -> AsyncIterator[worker_pb2.WorkerCommand]:
+                yield worker_pb2.WorkerCommand(owner="deaf", submit=subs)
+                await asyncio.sleep(30)
+
+            call = stub.Run(commands())
+            # The worker's writer waits: its steps for the owner queue up.
+            await wait_until(lambda: sample("duplex_worker_queue_depth", {"queue": "output"}) > 20)
+            call.cancel()
+            await wait_until(lambda: server.owners() == [])
+            await asyncio.sleep(0.2)
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert failed == [], [f"{r.name}: {r.getMessage()}" for r in failed]
 
 
 async def test_bad_submissions_get_errors_and_others_go_on() -> None:

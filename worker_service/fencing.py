@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from duplex.errors import CapacityError, ErrorCode, FencedError, NotFoundError, WorkerErrorCode
+from duplex.fence import MAX_EPOCH
 from worker_service.config import DEFAULT_MAX_CLOSED_SESSIONS, DEFAULT_TOMBSTONE_TTL_S
 from worker_service.metrics import FENCED, TOMBSTONES_EVICTED
 
@@ -109,6 +110,11 @@ class FenceTable:
                     WorkerErrorCode.NOT_OWNER, "this identity may not take sessions over from another owner"
                 )
         if takeover:
+            if cur.epoch >= MAX_EPOCH:  # no higher epoch exists to fence the owner out with
+                raise _fenced(
+                    WorkerErrorCode.STALE_EPOCH,
+                    f"the session is at the highest epoch ({MAX_EPOCH}): it cannot be taken over",
+                )
             granted = max(epoch, cur.epoch + 1)
         elif epoch < cur.epoch:
             raise _fenced(

@@ -235,11 +235,15 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
 
     # -- the command stream ----------------------------------------------------------------------
 
-    async def Run(
+    async def Run(  # type: ignore[override]  # a coroutine writing with context.write
         self,
         request_iterator: AsyncIterator[worker_pb2.WorkerCommand],
         context: grpc.aio.ServicerContext[worker_pb2.WorkerCommand, worker_pb2.StepOutput],
-    ) -> AsyncIterator[worker_pb2.StepOutput]:
+    ) -> None:
+        """The owner's stream, written with ``context.write()``: a write that waits for an owner
+        that stopped reading fails when the stream is dropped, and it fails here, where that is
+        expected, not inside gRPC's handling of a response generator (which logs it as an error
+        with a traceback)."""
         try:
             self._serving_model()
             first = await anext(request_iterator, None)
@@ -273,8 +277,8 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                 if item is None:
                     return
                 msg = self._to_proto(owner, item)
-                if msg is not None:
-                    yield msg
+                if msg is not None and not await _write(context, msg):
+                    return  # the stream ended while the write waited
         except DuplexError as err:
             await abort(context, err)
         finally:
@@ -556,6 +560,21 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             if cur is not None and cur[1] == owner:
                 out.held_sessions.add(session_id=sid, epoch=cur[0])
         return out if out.held_sessions else None
+
+
+async def _write(context: _Context, msg: worker_pb2.StepOutput) -> bool:
+    """Write one StepOutput; False when the stream ended while the write waited (a failed
+    write means the transport gave up on the call; gRPC may not have marked the context
+    cancelled yet)."""
+    try:
+        await context.write(msg)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if not (context.cancelled() or context.done()):
+            logger.info("a write to an owner failed (%s): the stream is over", type(exc).__name__)
+        return False
+    return True
 
 
 def _strip(item: OwnerStep, stale: set[str], is_current: Any) -> OwnerStep:
