@@ -179,8 +179,9 @@ class WorkerPool(Generic[L]):
     def claim(self, link: PlacementLink, worker_id: str) -> bool:
         """Whether ``link``, whose worker just described itself as ``worker_id``, may open its
         Run stream; if so it serves that id until ``release``. Refused while another link of the
-        pool serves the id, or reports it too from a lower address (deterministic: every replica
-        prefers the same one); the refused link stands by and asks again."""
+        pool serves the id, or reports it too from a lower address (links that described together
+        prefer the lower address; otherwise the first to describe keeps it, so a serving stream is
+        never cut for a late twin); the refused link stands by and asks again."""
         if not self._member(link):
             return False  # removed meanwhile
         holder = self._serving.get(worker_id)

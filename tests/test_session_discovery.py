@@ -590,23 +590,30 @@ async def test_two_workers_under_one_id_never_both_take_sessions() -> None:
             _discovering(dns_port, first.port, wait_workers=1, worker_backoff_max_s=0.3)
         )
         ch = await exits.enter_async_context(grpc.aio.insecure_channel(server.address))
-        # The lower address serves worker-a; the other one answers as worker-a too and stands by.
-        standby = server.pool.links[second.address]
-        await _until(lambda: standby.worker_id == "worker-a", within=5, what="the second link described")
+        # One address serves worker-a (the lower one when both described together, otherwise the
+        # first to describe); the other answers as worker-a too and stands by, with no Run stream.
+        for address in (first.address, second.address):
+            link = server.pool.links[address]
+            await _until(
+                lambda link=link: link.worker_id == "worker-a", within=5, what=f"{address} described"
+            )
         await asyncio.sleep(0.5)
-        assert [link.address for link in server.pool.healthy()] == [first.address]
-        assert second.owners() == []  # no Run stream was opened to it
+        healthy = [link.address for link in server.pool.healthy()]
+        assert len(healthy) == 1
+        serving, standing = (first, second) if healthy == [first.address] else (second, first)
+        assert healthy == [serving.address]
+        assert standing.owners() == []  # no Run stream was opened to it
         convs = [await _open(ch) for _ in range(3)]
-        assert {_on(server, sid) for _, sid in convs} == {first.address}
+        assert {_on(server, sid) for _, sid in convs} == {serving.address}
         # The serving one goes: the other takes over, and the sessions move there.
-        await first.stop(grace=0)
+        await serving.stop(grace=0)
         await _until(
-            lambda: [link.address for link in server.pool.healthy()] == [second.address],
+            lambda: [link.address for link in server.pool.healthy()] == [standing.address],
             within=5,
-            what="the second address took over",
+            what="the standing-by address took over",
         )
         for conv, sid in convs:
-            assert await _next_turn_on(server, conv, sid) == second.address
+            assert await _next_turn_on(server, conv, sid) == standing.address
         await _close([c for c, _ in convs])
 
 
