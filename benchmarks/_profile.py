@@ -30,15 +30,25 @@ def py_spy() -> str | None:
 
 
 def record(
-    pid: int, seconds: int, out: Path, *, rate: int = 100, gil: bool = False, threads: bool = False
+    pid: int,
+    seconds: int,
+    out: Path,
+    *,
+    rate: int = 100,
+    gil: bool = False,
+    threads: bool = False,
+    native: bool = False,
 ) -> subprocess.Popen[bytes] | None:
     """Start ``py-spy record`` on ``pid`` for ``seconds`` (collapsed stacks into ``out``);
     ``gil``: sample only the thread holding the GIL (the Python work that serialises the
-    process); ``threads``: stacks start with their thread. None when py-spy is not installed."""
+    process); ``threads``: stacks start with their thread; ``native``: C frames too (gRPC's core,
+    libc's syscalls, protobuf), which needs py-spy to pause the process at each sample (the
+    others read it without stopping it). None when py-spy is not installed."""
     exe = py_spy()
     if exe is None:
         return None
     flags = [*(["--gil"] if gil else []), *(["--threads"] if threads else [])]
+    flags += ["--native"] if native else ["--nonblocking"]
     return subprocess.Popen(
         [
             exe,
@@ -51,7 +61,6 @@ def record(
             str(rate),
             "--format",
             "raw",
-            "--nonblocking",
             *flags,
             "--output",
             str(out),
@@ -75,12 +84,36 @@ def _parse(frame: str) -> tuple[str, str]:
 
 def short(frame: str) -> str:
     """``func (path/to/pkg/mod.py:123)`` -> ``pkg/mod.py:func`` (line numbers dropped, paths cut
-    to the last two parts)."""
+    to the last two parts; an unresolved native address is ``lib.so:?``)."""
     func, file = _parse(frame)
     if not file:
         return func
     parts = Path(file).parts
+    if re.fullmatch(r"0x[0-9a-fA-F]+", func):
+        func = "?"
     return f"{'/'.join(parts[-2:])}:{func}"
+
+
+#: Where a leaf frame's time goes, by its file: (area, substrings of the file), first match wins.
+AREAS: list[tuple[str, tuple[str, ...]]] = [
+    ("gRPC (C core, Cython, grpc.aio)", ("cygrpc", "grpc/", "grpc_")),
+    ("libc (syscalls: sendmsg, write, getpid...; malloc)", ("libc.so",)),
+    ("protobuf", ("_message.abi3", "google/protobuf", "upb")),
+    ("asyncio event loop", ("asyncio/", "selectors.py", "_asynciomodule", "selectmodule")),
+    ("project code (duplex, session_service)", PROJECT),
+    ("prometheus_client", ("prometheus_client",)),
+    ("numpy, soxr", ("numpy", "soxr")),
+    ("CPython and C++ runtime", ("libpython", "object.h", ".c", ".h", "libstdc++", "<frozen")),
+]
+
+
+def area(frame: str) -> str:
+    """The area a (leaf) frame belongs to (``AREAS``), "other" when none matches."""
+    _, file = _parse(frame)
+    for name, needles in AREAS:
+        if any(n in file for n in needles):
+            return name
+    return "other"
 
 
 def _entry(func: str, file: str) -> bool:
@@ -96,10 +129,14 @@ def top_functions(collapsed: str, n: int = 10) -> dict[str, Any]:
     * ``own``: the top ``n`` functions by own samples (the leaf frame), any code;
     * ``inclusive``: the top ``n`` functions of the project (``PROJECT``) by samples anywhere on
       the stack, the entry chain left out;
-    * ``threads``: samples per thread (with ``--threads``)."""
+    * ``threads``: samples per thread (with ``--threads``);
+    * ``areas``: the share of samples whose leaf is in each of ``AREAS``; ``through_grpc``: the
+      share with a gRPC frame anywhere on the stack (with native frames)."""
     own: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     threads: Counter[str] = Counter()
+    areas: Counter[str] = Counter()
+    through_grpc = 0
     total = 0
     for line in collapsed.splitlines():
         line = line.strip()
@@ -119,6 +156,9 @@ def top_functions(collapsed: str, n: int = 10) -> dict[str, Any]:
             continue
         total += count
         own[short(raw[-1])] += count
+        areas[area(raw[-1])] += count
+        if any(area(f).startswith("gRPC") for f in raw):
+            through_grpc += count
         seen = set()
         for f in raw:
             func, file = _parse(f)
@@ -137,4 +177,6 @@ def top_functions(collapsed: str, n: int = 10) -> dict[str, Any]:
         "own": table(own),
         "inclusive": table(incl),
         "threads": {t: k for t, k in threads.most_common()},
+        "areas": {a: k / total if total else 0.0 for a, k in areas.most_common()},
+        "through_grpc": through_grpc / total if total else 0.0,
     }

@@ -35,7 +35,6 @@ a core, /proc). Then:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,12 +49,18 @@ from benchmarks._sys import NoMeasurement, fail, fmt, ints, write_result
 Row = dict[str, Any]
 
 
-def ramp(steps: list[int], run: Callable[[int], Row]) -> tuple[int | None, list[Row]]:
-    """Run ascending ``steps`` until one does not hold; (capacity, rows run). When the first does
-    not hold, halve N down to 1; capacity None when even that fails."""
+def ramp(
+    steps: list[int], run: Callable[[int], Row], out_of_time: Callable[[], bool] = lambda: False
+) -> tuple[int | None, list[Row], bool]:
+    """Run ascending ``steps`` until one does not hold; (capacity, rows run, stopped by the time
+    budget). When the first does not hold, halve N down to 1; capacity None when even that fails.
+    ``out_of_time()`` is asked before each step: when it says so, the ramp stops there (capacity
+    is then a lower bound)."""
     rows: list[Row] = []
     capacity: int | None = None
     for n in steps:
+        if out_of_time():
+            return capacity, rows, True
         row = run(n)
         rows.append(row)
         if not row["pass"]:
@@ -64,13 +69,15 @@ def ramp(steps: list[int], run: Callable[[int], Row]) -> tuple[int | None, list[
     if capacity is None:
         n = steps[0] // 2
         while n >= 1:
+            if out_of_time():
+                return capacity, rows, True
             row = run(n)
             rows.append(row)
             if row["pass"]:
                 capacity = n
                 break
             n //= 2
-    return capacity, rows
+    return capacity, rows, False
 
 
 def print_row(label: str, row: Row) -> None:
@@ -94,6 +101,7 @@ def run_ramp(
     label: str,
     profile_s: int = 0,
     profile_n: Callable[[int | None], int] | None = None,
+    out_of_time: Callable[[], bool] = lambda: False,
 ) -> dict[str, Any]:
     """One stack, one ramp (and optionally the profiled step on the same stack)."""
     with stack("parrot", device=args.device, torch_threads=args.torch_threads, max_batch=max_batch) as st:
@@ -117,24 +125,34 @@ def run_ramp(
             print_row(label, row)
             return row
 
-        capacity, rows = ramp(args.steps, step)
+        capacity, rows, stopped = ramp(args.steps, step, out_of_time)
         out: dict[str, Any] = {
             "append_ms": append_ms,
             "max_batch": max_batch,
             "capacity": capacity,
+            "stopped_by_budget": stopped,
             "steps": rows,
         }
+        if stopped:
+            print(
+                f"  {label}: the time budget is spent: the ramp stopped (capacity >= {capacity})", flush=True
+            )
         at = next((r for r in rows if r["sessions"] == capacity), None)
         out["at_capacity"] = at
         if profile_s and profile_n is not None:
-            out["profile"] = profile_step(step, st.session.pid, profile_n(capacity), profile_s)
+            if out_of_time():
+                out["profile"] = {"skipped": "the time budget is spent"}
+            else:
+                out["profile"] = profile_step(step, st.session.pid, profile_n(capacity), profile_s)
     return out
 
 
 def profile_step(step: Callable[..., Row], pid: int, n: int, seconds: int) -> dict[str, Any]:
     """One more step of ``n`` sessions with py-spy recording the session service in its window,
-    twice at once: every thread (where its threads spend their samples) and only the thread holding
-    the GIL (the Python work, which one core serialises: the top functions)."""
+    twice at once: every thread, Python frames only, without stopping it (where its threads spend
+    their samples), and only the thread holding the GIL with native frames (the work one core
+    serialises, down to gRPC's core and libc: the top functions; py-spy pauses the process for
+    each of these samples, so this step's own latencies are not a capacity figure)."""
     if _profile.py_spy() is None:
         print("  profile: py-spy is not installed: skipped", flush=True)
         return {"skipped": "py-spy not installed"}
@@ -144,7 +162,7 @@ def profile_step(step: Callable[..., Row], pid: int, n: int, seconds: int) -> di
 
         def start(a: float, b: float) -> None:
             procs.append(_profile.record(pid, seconds, paths["threads"], threads=True))
-            procs.append(_profile.record(pid, seconds, paths["gil"], gil=True, threads=True))
+            procs.append(_profile.record(pid, seconds, paths["gil"], gil=True, threads=True, native=True))
 
         row = step(n, start)
         errs = []
@@ -170,7 +188,11 @@ def profile_step(step: Callable[..., Row], pid: int, n: int, seconds: int) -> di
         "    samples by thread (any state py-spy counts as active): "
         + ", ".join(f"{t} {k}" for t, k in threads["threads"].items())
     )
-    print(f"    holding the GIL: {top['samples']} samples; top functions by own time:")
+    print(f"    holding the GIL: {top['samples']} samples; by area (leaf frame):")
+    for name, share in top["areas"].items():
+        print(f"    {100 * share:5.1f} %  {name}")
+    print(f"    {100 * top['through_grpc']:5.1f} %  with gRPC anywhere on the stack")
+    print("    top functions by own time:")
     for t in top["own"]:
         print(f"    {100 * t['share']:5.1f} %  {t['function']}")
     print("    project functions by inclusive time:")
@@ -196,62 +218,93 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail", type=float, default=3.0, help="streaming after the window (replies finish)")
     p.add_argument("--generators", type=int, default=0, help="load generator processes (0 = auto)")
     p.add_argument("--profile-s", type=int, default=8, help="py-spy the session service this long (0 = no)")
-    p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--json", default="", help="write the results here (after each ramp too)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="stop ramping when a next step would end after this many seconds (0 = no budget)",
+    )
     args = p.parse_args(argv)
     args.steps = sorted(set(ints(args.steps)))
     sizes = ints(args.append_ms)
     t0 = time.monotonic()
+    step_s = args.warmup + args.seconds + args.tail + 8.0  # opening and closing the sessions too
+
+    def out_of_time() -> bool:
+        return bool(args.budget_s) and time.monotonic() + step_s > t0 + args.budget_s
+
     print(
         f"capacity: parrot on {args.device}, steps {args.steps}, window {args.seconds:g} s "
         f"(+{args.warmup:g} s warm-up, +{args.tail:g} s tail); a step holds with ack p99 < 32 ms, real "
         "time kept, nothing dropped",
         flush=True,
     )
-    results: dict[str, Any] = {"ramps": {}, "device": args.device, "torch_threads": args.torch_threads}
+    results: dict[str, Any] = {
+        "ramps": {},
+        "device": args.device,
+        "torch_threads": args.torch_threads,
+        "batch1_append_ms": args.batch1_append_ms,
+        "complete": False,
+    }
+    plan: list[tuple[str, int, int | None, int]] = [
+        (f"{ms}ms", ms, None, args.profile_s if i == 0 else 0) for i, ms in enumerate(sizes)
+    ]
+    if args.batch1_append_ms:
+        plan.append((f"{args.batch1_append_ms}ms_batch1", args.batch1_append_ms, 1, 0))
     try:
-        for i, ms in enumerate(sizes):
-            results["ramps"][f"{ms}ms"] = run_ramp(
+        for name, ms, max_batch, profile_s in plan:
+            if out_of_time():
+                results["ramps"][name] = {"skipped": "the time budget is spent", "append_ms": ms}
+                print(f"  {name}: skipped, the time budget is spent", flush=True)
+                continue
+            label = f"{ms} ms appends" if max_batch is None else f"{ms} ms, batch 1"
+            r = run_ramp(
                 args,
                 append_ms=ms,
-                max_batch=None,
-                label=f"{ms} ms appends",
-                profile_s=args.profile_s if i == 0 else 0,
+                max_batch=max_batch,
+                label=label,
+                profile_s=profile_s,
                 profile_n=lambda cap: cap or 1,
+                out_of_time=out_of_time,
             )
-        if args.batch1_append_ms:
-            ms = args.batch1_append_ms
-            results["ramps"][f"{ms}ms_batch1"] = run_ramp(
-                args, append_ms=ms, max_batch=1, label=f"{ms} ms, batch 1"
-            )
+            if "profile" in r:
+                results["profile"] = r.pop("profile")
+            results["ramps"][name] = r
+            write_result(args.json, "capacity", results)  # what is done so far survives a kill
     except NoMeasurement as exc:
         return fail(str(exc))
-    with contextlib.suppress(KeyError):
-        profile = results["ramps"][f"{sizes[0]}ms"].pop("profile")
-        results["profile"] = profile
-    failures = []
-    for name, r in results["ramps"].items():
-        if r["capacity"] is None:
-            last = r["steps"][-1]
-            failures.append(f"{name}: not even one session holds real time ({'; '.join(last['why'])})")
+    done = {k: r for k, r in results["ramps"].items() if "skipped" not in r}
+    failures = [
+        f"{name}: not even one session holds real time ({'; '.join(r['steps'][-1]['why'])})"
+        for name, r in done.items()
+        if r["capacity"] is None and not r["stopped_by_budget"]
+    ]
     gain = None
     key = f"{args.batch1_append_ms}ms"
-    if args.batch1_append_ms and key in results["ramps"]:
-        batched = results["ramps"][key]["capacity"]
-        single = results["ramps"][f"{key}_batch1"]["capacity"]
-        if batched and single:
-            gain = batched / single
+    batched, single = done.get(key), done.get(f"{key}_batch1")
+    if batched and single and not batched["stopped_by_budget"] and not single["stopped_by_budget"]:
+        if batched["capacity"] and single["capacity"]:
+            gain = batched["capacity"] / single["capacity"]
     results["batching_gain"] = gain
     results["elapsed_s"] = time.monotonic() - t0
+    results["complete"] = len(done) == len(plan) and not any(r["stopped_by_budget"] for r in done.values())
     print("capacity (largest N that holds):")
     for name, r in results["ramps"].items():
+        if "skipped" in r:
+            print(f"  {name:<14} skipped ({r['skipped']})")
+            continue
         at = r["at_capacity"]
         extra = f", ack p99 {at['ack_ms']['p99']:.1f} ms" if at else ""
-        print(f"  {name:<14} {r['capacity'] if r['capacity'] else 'none'}{extra}")
+        bound = ">= " if r["stopped_by_budget"] else ""
+        print(f"  {name:<14} {bound}{r['capacity'] if r['capacity'] else 'none'}{extra}")
     if gain is not None:
         print(f"  batching gain at {args.batch1_append_ms} ms appends: {gain:.2f}x")
     write_result(args.json, "capacity", results)
     if failures:
         return fail("; ".join(failures))
+    if not results["complete"]:
+        return fail("the time budget ran out before every ramp finished (the figures so far are kept)")
     return 0
 
 

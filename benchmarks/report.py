@@ -75,6 +75,7 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
     tiers = sections.get("tiers")
     h: dict[str, Any] = {
         "capacity_sessions": _get(ramps, "20ms", "capacity"),
+        "capacity_is_lower_bound": bool(_get(ramps, "20ms", "stopped_by_budget")),
         "capacity_p99_ack_ms": _get(ramps, "20ms", "at_capacity", "ack_ms", "p99"),
         "capacity_p99_first_audio_ms": _get(ramps, "20ms", "at_capacity", "first_audio_ms", "p99"),
         "capacity_sessions_40ms": _get(ramps, "40ms", "capacity"),
@@ -104,6 +105,7 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
     for row in _get(ms, "rows") or []:
         h[f"model_ms_per_step_b{row['batch']}"] = row["ms_per_step"]
     h["grpc_packed_over_single"] = _get(sections, "grpc_hop", "packed_over_single")
+    h["session_profile_through_grpc"] = _get(cap, "profile", "through_grpc")
     return h
 
 
@@ -291,10 +293,21 @@ def _capacity_md(add: Any, cap: dict[str, Any] | None, plots: dict[str, str]) ->
         "that held. CPU: % of one core over the window (/proc); *other* is the rest of the machine "
         "(another user's load on a shared box).\n"
     )
-    for r in cap.get("ramps", {}).values():
+    if not cap.get("complete", True):
+        add(
+            "**Incomplete**: the time budget ran out before every ramp finished; what was measured "
+            "is below.\n"
+        )
+    for name, r in cap.get("ramps", {}).items():
+        if "skipped" in r:
+            add(f"### {name}: skipped ({r['skipped']})\n")
+            continue
         batch = " against `--max-batch 1`" if r.get("max_batch") == 1 else ""
         held = f(r.get("capacity"), "d") if r.get("capacity") else "none"
-        add(f"### {r['append_ms']} ms appends{batch}: capacity **{held}**\n")
+        note = ""
+        if r.get("stopped_by_budget"):
+            held, note = f"≥ {held}", " (the ramp stopped on the time budget)"
+        add(f"### {r['append_ms']} ms appends{batch}: capacity **{held}**{note}\n")
         rows = []
         for s in r["steps"]:
             rows.append(
@@ -349,9 +362,16 @@ def _capacity_md(add: Any, cap: dict[str, Any] | None, plots: dict[str, str]) ->
                 "Python frames.\n"
             )
         add(
-            f"Holding the GIL ({prof['samples']} samples; the Python work one core serialises). Own time is "
-            "the leaf frame (time in C extensions -- gRPC's Cython, protobuf -- counts for the Python "
-            "function that called them):\n"
+            f"The thread holding the GIL, with native frames ({prof['samples']} samples; py-spy pauses the "
+            "process for each, so this step's latencies are not a capacity figure): the work one core "
+            "serialises. By the area of the leaf frame (where the CPU is spent), "
+            f"{100 * prof.get('through_grpc', 0):.0f} % of it with gRPC somewhere on the stack:\n"
+        )
+        rows = [[f"{100 * share:.1f} %", name] for name, share in prof.get("areas", {}).items()]
+        add(_table(["share", "area"], rows))
+        add("")
+        add(
+            "Top functions by own time (the leaf frame; an unresolved native address counts as `lib.so:?`):\n"
         )
         rows = [[f"{100 * t['share']:.1f} %", f"`{t['function']}`"] for t in prof["own"]]
         add(_table(["own", "function"], rows))
@@ -561,7 +581,7 @@ def plot_all(latest: dict[str, Any], dest: Path) -> dict[str, Path]:
     plt.rcParams.update({"font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
 
     cap = sec.get("capacity")
-    if cap and cap.get("ramps"):
+    if cap and any(r.get("steps") for r in cap.get("ramps", {}).values()):
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
         colors = {
             "20ms": "tab:blue",
@@ -569,7 +589,8 @@ def plot_all(latest: dict[str, Any], dest: Path) -> dict[str, Path]:
             "40ms_batch1": "tab:red",
             "20ms_batch1": "tab:purple",
         }
-        for name, r in cap["ramps"].items():
+        ramps = {k: r for k, r in cap["ramps"].items() if r.get("steps")}
+        for name, r in ramps.items():
             steps = sorted(r["steps"], key=lambda s: s["sessions"])
             n = [s["sessions"] for s in steps]
             c = colors.get(name, None)
@@ -596,7 +617,7 @@ def plot_all(latest: dict[str, Any], dest: Path) -> dict[str, Path]:
         )
         axes[0].legend(fontsize=7)
         axes[1].legend(fontsize=7)
-        first = next(iter(cap["ramps"].values()))
+        first = next(iter(ramps.values()))
         steps = sorted(first["steps"], key=lambda s: s["sessions"])
         n = [s["sessions"] for s in steps]
         for key, c in (

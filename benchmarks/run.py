@@ -34,6 +34,10 @@ from typing import Any
 
 from benchmarks._sys import REPO, git_info, machine, now_iso
 
+#: With ``--budget-s``: seconds kept for the report at the end, and the least a section may get.
+REPORT_RESERVE_S = 20.0
+MIN_SECTION_S = 20.0
+
 Section = tuple[str, str, list[str], int]
 """(module, title, argv after ``python -m benchmarks.MODULE``, timeout in seconds)."""
 
@@ -145,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-batches", default="", help="model_steps: batch sizes (default 1,2,4,...,1024)")
     p.add_argument("--capacity-steps", default="", help="capacity: the ramp's session counts")
     p.add_argument("--capacity-seconds", type=float, default=0.0, help="capacity: each step's window")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="the whole run's time budget: sections get what is left (capacity stops ramping in time, "
+        "keeping its figures so far); a section that cannot fit is reported failed (0 = none)",
+    )
     args = p.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     out = Path(args.out)
@@ -176,6 +187,20 @@ def main(argv: list[str] | None = None) -> int:
         result.unlink(missing_ok=True)
         print(f"\n=== {title} ===", flush=True)
         t0 = time.monotonic()
+        if args.budget_s:
+            left = args.budget_s - REPORT_RESERVE_S - (t0 - start)
+            if left < MIN_SECTION_S:
+                meta["sections"][module] = {
+                    "seconds": 0,
+                    "ok": False,
+                    "reason": "skipped: the time budget is spent",
+                }
+                print(f"--- {module}: skipped, the time budget is spent", flush=True)
+                failed.append(module)
+                continue
+            timeout = int(min(timeout, left))
+            if module == "capacity":
+                cmd = [*cmd, "--budget-s", f"{max(1.0, timeout - 20):.0f}"]
         argv_full = [sys.executable, "-m", f"benchmarks.{module}", *cmd, "--json", str(result)]
         try:
             code = subprocess.call(argv_full, cwd=REPO, timeout=timeout)

@@ -136,25 +136,33 @@ def _runner(holds_up_to):
 
 def test_ramp_stops_at_the_first_step_that_does_not_hold():
     ran, step = _runner(48)
-    cap, rows = capacity.ramp([16, 32, 48, 64, 96], step)
-    assert cap == 48
+    cap, rows, stopped = capacity.ramp([16, 32, 48, 64, 96], step)
+    assert cap == 48 and not stopped
     assert ran == [16, 32, 48, 64]
     assert [r["pass"] for r in rows] == [True, True, True, False]
 
 
 def test_ramp_halves_below_a_first_step_that_fails():
     ran, step = _runner(5)
-    cap, _ = capacity.ramp([16, 32], step)
+    cap, _, _ = capacity.ramp([16, 32], step)
     assert cap == 4
     assert ran == [16, 8, 4]
 
 
 def test_ramp_reports_none_when_not_even_one_session_holds():
     ran, step = _runner(0)
-    cap, rows = capacity.ramp([4, 8], step)
+    cap, rows, _ = capacity.ramp([4, 8], step)
     assert cap is None
     assert ran == [4, 2, 1]
     assert not rows[-1]["pass"]
+
+
+def test_ramp_stops_when_the_time_budget_is_spent():
+    ran, step = _runner(1000)
+    budget = iter([False, False, True])
+    cap, rows, stopped = capacity.ramp([16, 32, 48, 64], step, lambda: next(budget))
+    assert (cap, ran, stopped) == (32, [16, 32], True)
+    assert len(rows) == 2
 
 
 _ENTRY = (
@@ -192,6 +200,33 @@ def test_profile_top_functions_own_inclusive_and_threads():
     }
     assert not any("cli.py" in f or "server.py" in f or "asyncio" in f for f in inclusive)
     assert top["threads"] == {"MainThread": 9, "Thread-1 (_poll_wrapper)": 1}
+
+
+NATIVE = "\n".join(
+    [
+        "thread (0x1): MainThread;Handle._run (asyncio/events.py:80);0x7f2bbc0f3b13 "
+        "(grpc/_cython/cygrpc.cpython-311-x86_64-linux-gnu.so);sendmsg (libc.so.6) 4",
+        "thread (0x1): MainThread;Handle._run (asyncio/events.py:80);"
+        "0x7f2bbbd7cc26 (grpc/_cython/cygrpc.cpython-311-x86_64-linux-gnu.so) 2",
+        "thread (0x1): MainThread;SessionRunner._run (session_service/runner.py:271);"
+        "AckWindow.consumed (session_service/ack_window.py:90) 2",
+        "thread (0x1): MainThread;EpollSelector.select (selectors.py:468) 2",
+    ]
+)
+
+
+def test_profile_areas_with_native_frames():
+    top = _profile.top_functions(NATIVE, n=3)
+    assert top["samples"] == 10
+    own = {t["function"]: t["samples"] for t in top["own"]}
+    # unresolved Cython addresses are one function per library
+    assert own["libc.so.6:sendmsg"] == 4 and own["_cython/cygrpc.cpython-311-x86_64-linux-gnu.so:?"] == 2
+    areas = top["areas"]
+    assert areas["libc (syscalls: sendmsg, write, getpid...; malloc)"] == pytest.approx(0.4)
+    assert areas["gRPC (C core, Cython, grpc.aio)"] == pytest.approx(0.2)
+    assert areas["project code (duplex, session_service)"] == pytest.approx(0.2)
+    assert areas["asyncio event loop"] == pytest.approx(0.2)
+    assert top["through_grpc"] == pytest.approx(0.6)
 
 
 def test_every_model_section_gets_the_device_and_threads():
