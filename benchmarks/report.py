@@ -135,6 +135,7 @@ def build_latest(results: Path) -> dict[str, Any]:
     run_path = results / "run.json"
     run = json.loads(run_path.read_text()) if run_path.exists() else {}
     h = headline(sections)
+    h["contended_sections"] = contended(run)
     return {"schema": 1, **h, "targets": targets(h), "run": run, "sections": sections}
 
 
@@ -210,6 +211,14 @@ def markdown(
         )
     )
     add("")
+    busy = contended(run)
+    if busy:
+        add(
+            "**The machine was busy with other work during this run** (cores used by other processes: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in busy.items())
+            + f"; more than {BUSY_CORES:g} core flags a section): its figures are lower, and its "
+            "latencies higher, than the code's own; compare with care.\n"
+        )
     if run.get("device", "cpu").startswith("cuda") is False:
         add(
             "No GPU figure is in this record: it was measured on CPU. `make bench DEVICE=cuda` (or "
@@ -549,14 +558,32 @@ def _model_md(add: Any, ms: dict[str, Any] | None, plots: dict[str, str]) -> Non
         add(f"![model]({plots['model']})\n")
 
 
+#: Cores the rest of the machine may use during a section before the run is flagged as contended.
+BUSY_CORES = 0.5
+
+
+def contended(run: dict[str, Any]) -> dict[str, float]:
+    """Sections during which the rest of the machine used more than ``BUSY_CORES`` cores."""
+    return {
+        name: v["other_cores"]
+        for name, v in run.get("sections", {}).items()
+        if v.get("other_cores") is not None and v["other_cores"] > BUSY_CORES
+    }
+
+
 def _failures_md(add: Any, run: dict[str, Any]) -> None:
     failed = {k: v for k, v in run.get("sections", {}).items() if not v.get("ok")}
     add("## Sections\n")
     rows = [
-        [name, f(v.get("seconds"), ".0f"), "ok" if v.get("ok") else f"**failed**: {v.get('reason')}"]
+        [
+            name,
+            f(v.get("seconds"), ".0f"),
+            f(v.get("other_cores"), ".2f"),
+            "ok" if v.get("ok") else f"**failed**: {v.get('reason')}",
+        ]
         for name, v in run.get("sections", {}).items()
     ]
-    add(_table(["section", "seconds", ""], rows))
+    add(_table(["section", "seconds", "other work on the machine meanwhile (cores)", ""], rows))
     add("")
     if failed:
         add(

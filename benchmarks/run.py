@@ -26,13 +26,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._sys import REPO, git_info, machine, now_iso
+from benchmarks._sys import REPO, git_info, machine, machine_busy_seconds, now_iso
+
+
+def _children_cpu() -> float:
+    """CPU seconds of every finished child process (and their reaped descendants)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
 
 #: With ``--budget-s``: seconds kept for the report at the end, and the least a section may get.
 REPORT_RESERVE_S = 20.0
@@ -202,16 +210,31 @@ def main(argv: list[str] | None = None) -> int:
             if module == "capacity":
                 cmd = [*cmd, "--budget-s", f"{max(1.0, timeout - 20):.0f}"]
         argv_full = [sys.executable, "-m", f"benchmarks.{module}", *cmd, "--json", str(result)]
+        busy0, ours0 = machine_busy_seconds(), _children_cpu()
         try:
             code = subprocess.call(argv_full, cwd=REPO, timeout=timeout)
             reason = "" if code == 0 else f"exit {code}"
         except subprocess.TimeoutExpired:
             code, reason = -1, f"stalled: still running after {timeout} s, stopped"
         elapsed = time.monotonic() - t0
+        busy1, ours1 = machine_busy_seconds(), _children_cpu()
+        other = None
+        if busy0 is not None and busy1 is not None and elapsed > 0:
+            other = max(0.0, ((busy1 - busy0) - (ours1 - ours0)) / elapsed)
         if code == 0 and not result.exists():
             code, reason = -1, "wrote no result"
-        meta["sections"][module] = {"seconds": round(elapsed, 1), "ok": code == 0, "reason": reason}
-        print(f"--- {module}: {elapsed:.0f} s" + ("" if code == 0 else f"; FAILED ({reason})"), flush=True)
+        meta["sections"][module] = {
+            "seconds": round(elapsed, 1),
+            "ok": code == 0,
+            "reason": reason,
+            "other_cores": None if other is None else round(other, 2),
+        }
+        print(
+            f"--- {module}: {elapsed:.0f} s"
+            + ("" if other is None else f" (the rest of the machine used {other:.2f} cores meanwhile)")
+            + ("" if code == 0 else f"; FAILED ({reason})"),
+            flush=True,
+        )
         if code != 0:
             failed.append(module)
     meta["duration_s"] = round(time.monotonic() - start, 1)

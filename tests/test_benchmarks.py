@@ -439,3 +439,16 @@ def test_e2e_refuses_a_stalled_measurement():
     with pytest.raises(_sys.NoMeasurement, match="no reply audio"):
         e2e_bench.check_flow("parrot", 2, [10, 10], 0, [])
     e2e_bench.check_flow("parrot", 2, [10, 10], 100, [])
+
+
+def test_a_run_beside_other_work_is_flagged():
+    run_meta = {
+        "sections": {
+            "tiers": {"seconds": 20, "ok": True, "other_cores": 0.1},
+            "capacity": {"seconds": 200, "ok": True, "other_cores": 1.3},
+            "e2e_bench": {"seconds": 50, "ok": True, "other_cores": None},
+        }
+    }
+    assert report.contended(run_meta) == {"capacity": 1.3}
+    md = report.markdown({"run": run_meta, "targets": [], "sections": {}}, None, {}, "")
+    assert "busy with other work" in md and "capacity 1.30" in md
