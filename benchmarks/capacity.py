@@ -18,6 +18,9 @@ A step of N **holds** when, over its measurement window (``benchmarks._load.judg
 * nothing is dropped: no ``error`` event, no session closed or stream broken, and every turn that
   ended in the window (``committed``) answered by a completed response with audio.
 
+A step that does not hold is run once more, and the second verdict counts (``--no-confirm``: not):
+on a shared machine a spike of someone else's work should not end the ramp; a real limit fails twice.
+
 N is ramped over ``--steps`` (one fresh stack per ramp) and the ramp stops at the first step that
 does not hold; capacity is the last one that held. When the first step does not hold, N is halved
 down to 1; when not even one session holds, the benchmark fails (exit 3) with the reason.
@@ -50,30 +53,46 @@ Row = dict[str, Any]
 
 
 def ramp(
-    steps: list[int], run: Callable[[int], Row], out_of_time: Callable[[], bool] = lambda: False
+    steps: list[int],
+    run: Callable[[int], Row],
+    out_of_time: Callable[[], bool] = lambda: False,
+    *,
+    confirm: bool = True,
 ) -> tuple[int | None, list[Row], bool]:
     """Run ascending ``steps`` until one does not hold; (capacity, rows run, stopped by the time
-    budget). When the first does not hold, halve N down to 1; capacity None when even that fails.
-    ``out_of_time()`` is asked before each step: when it says so, the ramp stops there (capacity
-    is then a lower bound)."""
+    budget). With ``confirm`` a step that does not hold is run once more and the second verdict
+    counts (a spike of someone else's load on a shared machine does not end the ramp; a real limit
+    fails twice). When the first step does not hold, N is halved down to 1; capacity None when even
+    that fails. ``out_of_time()`` is asked before each step: when it says so, the ramp stops there
+    (capacity is then a lower bound)."""
     rows: list[Row] = []
+
+    def holds(n: int) -> bool | None:
+        for attempt in range(2 if confirm else 1):
+            if out_of_time():
+                return None
+            row = run(n)
+            row["attempt"] = attempt + 1
+            rows.append(row)
+            if row["pass"]:
+                return True
+        return False
+
     capacity: int | None = None
     for n in steps:
-        if out_of_time():
+        verdict = holds(n)
+        if verdict is None:
             return capacity, rows, True
-        row = run(n)
-        rows.append(row)
-        if not row["pass"]:
+        if not verdict:
             break
         capacity = n
     if capacity is None:
         n = steps[0] // 2
         while n >= 1:
-            if out_of_time():
+            verdict = holds(n)
+            if verdict is None:
                 return capacity, rows, True
-            row = run(n)
-            rows.append(row)
-            if row["pass"]:
+            if verdict:
                 capacity = n
                 break
             n //= 2
@@ -125,7 +144,7 @@ def run_ramp(
             print_row(label, row)
             return row
 
-        capacity, rows, stopped = ramp(args.steps, step, out_of_time)
+        capacity, rows, stopped = ramp(args.steps, step, out_of_time, confirm=args.confirm)
         out: dict[str, Any] = {
             "append_ms": append_ms,
             "max_batch": max_batch,
@@ -137,7 +156,7 @@ def run_ramp(
             print(
                 f"  {label}: the time budget is spent: the ramp stopped (capacity >= {capacity})", flush=True
             )
-        at = next((r for r in rows if r["sessions"] == capacity), None)
+        at = next((r for r in reversed(rows) if r["sessions"] == capacity and r["pass"]), None)
         out["at_capacity"] = at
         if profile_s and profile_n is not None:
             if out_of_time():
@@ -217,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="the measurement window")
     p.add_argument("--tail", type=float, default=3.0, help="streaming after the window (replies finish)")
     p.add_argument("--generators", type=int, default=0, help="load generator processes (0 = auto)")
+    p.add_argument(
+        "--no-confirm",
+        dest="confirm",
+        action="store_false",
+        help="end a ramp at the first failing step (default: a failing step is run once more)",
+    )
     p.add_argument("--profile-s", type=int, default=8, help="py-spy the session service this long (0 = no)")
     p.add_argument("--json", default="", help="write the results here (after each ramp too)")
     p.add_argument(

@@ -136,15 +136,37 @@ def _runner(holds_up_to):
 
 def test_ramp_stops_at_the_first_step_that_does_not_hold():
     ran, step = _runner(48)
-    cap, rows, stopped = capacity.ramp([16, 32, 48, 64, 96], step)
+    cap, rows, stopped = capacity.ramp([16, 32, 48, 64, 96], step, confirm=False)
     assert cap == 48 and not stopped
     assert ran == [16, 32, 48, 64]
     assert [r["pass"] for r in rows] == [True, True, True, False]
 
 
+def test_a_failing_step_is_confirmed_once_and_a_passing_repeat_counts():
+    ran, step = _runner(48)
+    cap, rows, _ = capacity.ramp([16, 32, 48, 64], step)
+    assert cap == 48 and ran == [16, 32, 48, 64, 64]  # 64 failed twice
+    verdicts = iter([True, False, True, False, False])
+
+    def flaky(n):
+        ok = next(verdicts)
+        return {"sessions": n, "pass": ok, "why": [] if ok else ["spike"]}
+
+    cap, rows, _ = capacity.ramp([16, 32, 48], flaky)
+    # 32 failed once (a spike), held on the repeat; 48 failed twice
+    assert cap == 32
+    assert [(r["sessions"], r["attempt"], r["pass"]) for r in rows] == [
+        (16, 1, True),
+        (32, 1, False),
+        (32, 2, True),
+        (48, 1, False),
+        (48, 2, False),
+    ]
+
+
 def test_ramp_halves_below_a_first_step_that_fails():
     ran, step = _runner(5)
-    cap, _, _ = capacity.ramp([16, 32], step)
+    cap, _, _ = capacity.ramp([16, 32], step, confirm=False)
     assert cap == 4
     assert ran == [16, 8, 4]
 
@@ -153,14 +175,14 @@ def test_ramp_reports_none_when_not_even_one_session_holds():
     ran, step = _runner(0)
     cap, rows, _ = capacity.ramp([4, 8], step)
     assert cap is None
-    assert ran == [4, 2, 1]
+    assert ran == [4, 4, 2, 2, 1, 1]
     assert not rows[-1]["pass"]
 
 
 def test_ramp_stops_when_the_time_budget_is_spent():
     ran, step = _runner(1000)
     budget = iter([False, False, True])
-    cap, rows, stopped = capacity.ramp([16, 32, 48, 64], step, lambda: next(budget))
+    cap, rows, stopped = capacity.ramp([16, 32, 48, 64], step, lambda: next(budget), confirm=False)
     assert (cap, ran, stopped) == (32, [16, 32], True)
     assert len(rows) == 2
 
