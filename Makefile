@@ -47,8 +47,14 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy duplex session_service worker_service
 
+# The benchmark suite (6-7 minutes on a 2-core machine): writes BENCHMARKS.md, benchmarks/latest.json
+# and benchmarks/plots/ (see BENCHMARKS.md; compared with benchmarks/baseline.json). DEVICE=cuda runs
+# the worker and the models on a GPU and records under benchmarks/gpu/ (benchmarks/gpu.sh does that
+# on a GPU machine). TORCH_THREADS: intra-op threads of every model and worker.
+DEVICE ?= cpu
+TORCH_THREADS ?= 1
 bench: setup
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.run --device $(DEVICE) --torch-threads $(TORCH_THREADS)
 
 # The fault-and-load run at full size (CI runs it at 16 sessions for 30 s: tests/test_fault_load.py):
 # 64 sessions talking for 120 s while a worker is killed, another hung for 5 s, and a session replica

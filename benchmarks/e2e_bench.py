@@ -11,17 +11,31 @@ For each model and batch size B it measures, one run each:
     reply frames/s = reply payloads the engine hands out per second.
 (b) **full path**: real processes -- one ``duplex worker`` and one ``duplex session`` with the
     model's plugin -- driven by B concurrent ``DuplexClient`` sessions in this process. Each
-    session appends one worker frame (512 samples, 1 KiB) per ``append`` as fast as its
-    ``input_ack`` window allows and every ``--cycle`` frames, once its previous response is
-    done, commits and creates a response (manual turns, no server turn detection); the
-    sessions' turns are staggered so they are not in phase. Input frames/s counts acknowledged
-    frames; reply frames/s counts ``audio_delta`` audio received.
+    session is a **full-duplex** client: it appends one worker frame (512 samples, 1 KiB) per
+    ``append`` as fast as its ``input_ack`` window allows, all the time, replies or not; every
+    ``--cycle`` frames it commits (manual turns, no server turn detection), and it asks for a
+    response as soon as none of its own is active (at once when the previous reply is done,
+    else when its ``response_done`` comes). The sessions' turns are staggered so they are not
+    in phase. Input frames/s counts acknowledged frames; reply frames/s counts ``audio_delta``
+    audio received. The session service holds acks while more than ``--max-unconsumed-ms``
+    (320 ms: 10 frames) of a session's audio waits unconsumed at the worker, so an acknowledged
+    frame is a consumed one within 10 frames per session (with its 2 s default the worker's input
+    queues filling up during a short window would count as throughput).
+
+Why full duplex: the parrot is lockstep (its reply advances one frame per input frame), so a
+client that stops sending until ``response_done`` waits for a reply that only its own input
+can advance; with silence continuation off nothing else does, and the benchmark deadlocked (0
+frames/s at B=1 and B=16). A full-duplex client is what the product serves, and it keeps the
+measurement about the serving path: the session service runs with its defaults (silence
+continuation on), which feeds silence only when a client falls behind real time -- never here,
+where every client runs far ahead of it.
 
 Both use the same turn shape: a reply of about ``--cycle`` frames to every ``--cycle`` input
 frames (synthetic: ``reply_frames=cycle, emit_every=1``; parrot: its reply is the committed
 input, advanced one frame per input frame). The table gives the full path as a fraction of the
 model alone at the same B, how many times real time (31.25 frames/s) each session was served,
-how evenly, and where the CPU went.
+how evenly, and where the CPU went. A measurement in which a session is acknowledged nothing or
+receives no reply audio is not a result: the benchmark fails (exit 3) and says so.
 
 The numbers are one run on whatever machine this is -- client, session service and worker
 share its cores in (b), while (a) has them to itself -- so they are ratios to read, never
@@ -45,6 +59,7 @@ import numpy as np
 import torch
 
 from benchmarks._common import FRAME, StepCounter, start_engine
+from benchmarks._sys import NoMeasurement, fail, write_result
 from duplex.client import DuplexClient, Session, event_kind, turn_detection
 from duplex.fence import Fence
 from duplex.stack import LocalStack
@@ -88,10 +103,9 @@ PARROT = ModelSpec(
     plugin="session_service.plugins.parrot:ParrotPlugin",
     construct={},
     worker_flags=(),
-    # The parrot is lockstep: while a turn-taking client waits for the end of a reply, the
-    # session would feed real-time silence into it, and that clock -- not the serving path --
-    # would set the pace. Without it, each reply is played out by the next turn's input.
-    session_flags=("--no-silence-continuation",),
+    # The production default (silence continuation on): the full-duplex clients below stay ahead
+    # of real time, so no silence is ever fed; input, not a clock, advances the lockstep reply.
+    session_flags=(),
     session_extra=lambda cycle: {},
     # Manual turns on both paths (the session sends auto_commit=false for auto_respond=false).
     alone_params=lambda cycle: {"auto_commit": False},
@@ -167,6 +181,8 @@ def model_alone(
         steps, reply, dt = counts.measure(seconds)
         if engine.dead is not None:
             raise RuntimeError(f"engine failed: {engine.dead!r}")
+        if steps <= 0 or reply <= 0:
+            raise NoMeasurement(f"{spec.name} alone B={batch}: {steps} steps and {reply} reply frames")
     finally:
         engine.stop()
     return Rates(input_fps=steps * batch / dt, reply_fps=reply / dt)
@@ -202,27 +218,29 @@ class _Driver:
                 self.error_codes.append(ev.error.code)
 
     async def send(self, stop: asyncio.Event, offset: int) -> None:
-        """``cycle`` frames, then (once the previous response is done) commit + response.create.
+        """Full duplex: a frame whenever the ack window allows, a commit every ``cycle`` frames,
+        and a response asked for as soon as none is active.
 
-        A turn-taking client: input waits for the previous reply at each turn boundary. An
-        open-loop one would only fill the worker's input queue (``input_ack`` says "handed on
-        to the worker", held only while over ~2 s waits unconsumed there). ``offset`` staggers
-        the sessions' turns by making the first one shorter (never longer: a lockstep parrot
-        reply is played out by the next turn's input, so a turn longer than the next would
-        stall)."""
+        ``offset`` staggers the sessions' turns (the first turn is shorter by it)."""
         chunk = bytes(FRAME_BYTES)
         since_commit = offset
+        want_response = False
         while not stop.is_set():
-            await self.session.wait_acked(self.window, timeout_s=5.0)
+            if not await self.session.wait_acked(self.window, timeout_s=5.0):
+                if stop.is_set():
+                    return
+                raise NoMeasurement(
+                    f"no input_ack for 5 s with {self.window} appends in flight: the serving path stalled"
+                )
             await self.session.send_audio(chunk)
             since_commit += 1
             if since_commit >= self.cycle:
-                await self.idle.wait()
-                if stop.is_set():
-                    return
-                self.idle.clear()
                 since_commit = 0
                 await self.session.commit()
+                want_response = True
+            if want_response and self.idle.is_set():
+                want_response = False
+                self.idle.clear()
                 await self.session.create_response()
 
 
@@ -280,7 +298,10 @@ async def full_path(
             dt = time.perf_counter() - t0
             for task in senders:
                 if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise RuntimeError(f"a client session failed: {task.exception()!r}")
+                    exc = task.exception()
+                    if isinstance(exc, NoMeasurement):
+                        raise exc
+                    raise RuntimeError(f"a client session failed: {exc!r}")
         finally:
             stop.set()
             for task in senders:
@@ -292,6 +313,7 @@ async def full_path(
                 task.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
     codes = [c for d in drivers for c in d.error_codes]
+    check_flow(spec.name, batch, acked, reply, codes)
     mean = sum(acked) / len(acked)
     return Rates(
         input_fps=sum(acked) / dt,
@@ -303,6 +325,18 @@ async def full_path(
         errors=len(codes),
         error_codes=set(codes),
     )
+
+
+def check_flow(model: str, batch: int, acked: list[int], reply_bytes: int, codes: list[str]) -> None:
+    """Raise ``NoMeasurement`` unless every session's input flowed and reply audio came back."""
+    idle = sum(1 for a in acked if a <= 0)
+    if idle:
+        raise NoMeasurement(
+            f"{model} B={batch}: {idle} of {batch} sessions had no input acknowledged in the window "
+            f"(errors: {sorted(set(codes)) or 'none'})"
+        )
+    if reply_bytes <= 0:
+        raise NoMeasurement(f"{model} B={batch}: no reply audio received in the window")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="synthetic,parrot", help="comma list of synthetic, parrot")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--seconds", type=float, default=3.0, help="length of each measurement")
-    p.add_argument("--warmup", type=float, default=1.0, help="full path: seconds before measuring")
+    p.add_argument("--warmup", type=float, default=1.5, help="full path: seconds before measuring")
+    p.add_argument(
+        "--max-unconsumed-ms",
+        type=int,
+        default=320,
+        help="the session service's --max-unconsumed-input-ms: acked ~ consumed within this much per session",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--torch-threads",
@@ -329,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=32, help="unacknowledged appends a client keeps in flight")
     p.add_argument("--hidden-size", type=int, default=256, help="synthetic model")
     p.add_argument("--layers", type=int, default=2, help="synthetic model")
+    p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
 
     specs = {"synthetic": _synthetic(args.hidden_size, args.layers), "parrot": PARROT}
@@ -347,19 +388,24 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows: list[str] = []
-    for name in names:
-        spec = specs[name]
-        alone = {
-            b: model_alone(
-                spec, device, b, seconds=args.seconds, cycle=args.cycle, torch_threads=args.torch_threads
-            )
-            for b in batches
-        }
-        with tempfile.TemporaryFile("w+") as log:
-            full = _run_full_path(spec, batches, args, log)
-        for b in batches:
-            rows.append(_row(name, b, alone[b], full[b]))
-            print(f"  {rows[-1]}", flush=True)
+    records: list[dict[str, object]] = []
+    try:
+        for name in names:
+            spec = specs[name]
+            alone = {
+                b: model_alone(
+                    spec, device, b, seconds=args.seconds, cycle=args.cycle, torch_threads=args.torch_threads
+                )
+                for b in batches
+            }
+            with tempfile.TemporaryFile("w+") as log:
+                full = _run_full_path(spec, batches, args, log)
+            for b in batches:
+                rows.append(_row(name, b, alone[b], full[b]))
+                records.append(_record(name, b, alone[b], full[b]))
+                print(f"  {rows[-1]}", flush=True)
+    except NoMeasurement as exc:
+        return fail(str(exc))
     print(HEADER)
     for row in rows:
         print(row)
@@ -368,7 +414,37 @@ def main(argv: list[str] | None = None) -> int:
         "ratio = e2e / alone at the same B; x rt = e2e input per session in multiples of real time;\n"
         "min/mean = slowest session's input over the mean; cpu = cores used by client/session/worker."
     )
+    write_result(
+        args.json,
+        "e2e",
+        {
+            "device": str(device),
+            "torch_threads": args.torch_threads,
+            "cycle": args.cycle,
+            "window": args.window,
+            "seconds": args.seconds,
+            "rows": records,
+        },
+    )
     return 0
+
+
+def _record(name: str, b: int, a: Rates, f: Rates) -> dict[str, object]:
+    return {
+        "model": name,
+        "batch": b,
+        "alone_in_fps": a.input_fps,
+        "alone_out_fps": a.reply_fps,
+        "e2e_in_fps": f.input_fps,
+        "e2e_out_fps": f.reply_fps,
+        "in_ratio": f.input_fps / a.input_fps if a.input_fps > 0 else None,
+        "out_ratio": f.reply_fps / a.reply_fps if a.reply_fps > 0 else None,
+        "x_realtime": f.input_fps / b / FRAMES_PER_S,
+        "min_share": f.min_share,
+        "cpu_cores": {"client": f.cpu[0], "session": f.cpu[1], "worker": f.cpu[2]} if len(f.cpu) == 3 else {},
+        "errors": f.errors,
+        "error_codes": sorted(f.error_codes),
+    }
 
 
 HEADER = (
@@ -400,7 +476,10 @@ def _run_full_path(
         plugin=spec.plugin,
         device=args.device,
         worker_args=worker_args,
-        session_args=list(spec.session_flags),
+        # Acks are held while more than this much of a session's audio waits unconsumed at the worker
+        # (the default is 2 s): with a small bound an acknowledged frame is a consumed frame, give or
+        # take the bound, so a short window is not inflated by the worker's input queues filling up.
+        session_args=[*spec.session_flags, "--max-unconsumed-input-ms", str(args.max_unconsumed_ms)],
         log=log,
     )
     try:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from benchmarks._sys import write_result
 from duplex.serving import CHANNEL_OPTIONS, SERVER_OPTIONS
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--chunks", type=int, default=256, help="chunks per stream")
     p.add_argument("--pack", type=int, default=64, help="chunks per message when packed")
+    p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args(argv)
     single = asyncio.run(measure(a.streams, a.chunks, 1))
     packed = asyncio.run(measure(a.streams, max(1, a.chunks // a.pack), a.pack))
@@ -81,6 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  1 chunk per message:   {single:>10,.0f} chunks/s")
     print(f"  {a.pack} chunks per message: {packed:>10,.0f} chunks/s")
     print(f"  packed / single:       {packed / single:>10.1f}x")
+    write_result(
+        a.json,
+        "grpc_hop",
+        {
+            "streams": a.streams,
+            "pack": a.pack,
+            "single_chunks_per_s": single,
+            "packed_chunks_per_s": packed,
+            "packed_over_single": packed / single,
+        },
+    )
     return 0
 
 

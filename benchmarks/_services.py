@@ -1,0 +1,174 @@
+"""Real service processes for the benchmarks, on loopback: a stack (one worker + one session service,
+``duplex.stack.LocalStack``) or a lone worker, with their logs kept in a file shown on failure, and
+their /metrics read back (the worker's batch-size histogram).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
+
+from duplex.stack import LocalStack
+
+PLUGINS = {
+    "parrot": "session_service.plugins.parrot:ParrotPlugin",
+    "synthetic": "session_service.plugins.synthetic:SyntheticPlugin",
+}
+
+
+def worker_flags(*, device: str, torch_threads: int, max_batch: int | None = None) -> list[str]:
+    """Flags every benchmark worker gets: the device and torch's threads passed through as given."""
+    flags = ["--device", device]
+    if torch_threads:
+        flags += ["--torch-threads", str(torch_threads)]
+    if max_batch is not None:
+        flags += ["--max-batch", str(max_batch)]
+    return flags
+
+
+@contextlib.contextmanager
+def stack(
+    model: str,
+    *,
+    device: str,
+    torch_threads: int,
+    max_batch: int | None = None,
+    worker_args: list[str] | None = None,
+    session_args: list[str] | None = None,
+    max_sessions: int = 2048,
+) -> Iterator[LocalStack]:
+    """One worker and one session service for ``model``; their stderr shown if the block fails."""
+    wflags = worker_flags(device=device, torch_threads=torch_threads, max_batch=max_batch)
+    # LocalStack passes --device itself; ours (the same value) comes later and wins.
+    with tempfile.TemporaryFile("w+") as log:
+        st = LocalStack(
+            workers=1,
+            model=model,
+            plugin=PLUGINS[model],
+            device=device,
+            worker_args=[*wflags, "--max-sessions", "0", *(worker_args or [])],
+            session_args=[
+                "--max-sessions",
+                str(max_sessions),
+                "--max-concurrent-rpcs",
+                str(2 * max_sessions + 64),
+                *(session_args or []),
+            ],
+            log=log,
+        )
+        try:
+            with st:
+                yield st
+        except BaseException:
+            show_log(log, model)
+            raise
+
+
+def show_log(log: IO[str], name: str, limit: int = 4000) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        log.seek(0)
+        tail = log.read()[-limit:]
+        if tail:
+            sys.stderr.write(f"--- service logs ({name}) ---\n{tail}\n")
+
+
+@dataclass
+class LoneWorker:
+    proc: subprocess.Popen[str]
+    grpc: str
+    metrics: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@contextlib.contextmanager
+def lone_worker(model: str, flags: list[str], *, timeout_s: float = 90.0) -> Iterator[LoneWorker]:
+    """``duplex worker`` alone (no session service), stopped by its pid afterwards."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "duplex",
+                "worker",
+                "--model",
+                model,
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-port",
+                "0",
+                "--worker-id",
+                "bench-0",
+                *flags,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            worker = _announce(proc, timeout_s)
+            yield worker
+        except BaseException:
+            show_log(log, f"{model} worker")
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _announce(proc: subprocess.Popen[str], timeout_s: float) -> LoneWorker:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.25)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the worker exited with {proc.wait(5)} while starting")
+            with contextlib.suppress(json.JSONDecodeError):
+                msg = json.loads(line)
+                if isinstance(msg, dict) and msg.get("event") == "listening":
+                    return LoneWorker(proc, str(msg["grpc"]), str(msg.get("metrics", "")))
+        elif proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with {proc.returncode} while starting")
+    raise RuntimeError(f"the worker did not start within {timeout_s:g} s")
+
+
+def scrape(metrics_address: str, timeout_s: float = 5.0) -> str:
+    """The text of a process's /metrics (``HOST:PORT`` as the services announce it)."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=timeout_s) as resp:
+        text: str = resp.read().decode()
+    return text
+
+
+def histogram_sum_count(text: str, name: str) -> tuple[float, float]:
+    """``NAME_sum`` and ``NAME_count`` of an unlabelled histogram in Prometheus text format."""
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"{name}_sum "):
+            total = float(line.split()[1])
+        elif line.startswith(f"{name}_count "):
+            count = float(line.split()[1])
+    return total, count

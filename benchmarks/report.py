@@ -1,0 +1,831 @@
+"""The record of a benchmark run: ``BENCHMARKS.md``, ``benchmarks/latest.json`` and the plots.
+
+    python -m benchmarks.report [--results build/bench] [--dest DIR] [--set-baseline]
+
+Reads what the sections of ``benchmarks.run`` wrote (``--results``), and writes
+
+* ``latest.json``: the headline figures at the top level (``capacity_sessions``,
+  ``capacity_p99_ack_ms``, ``session_cpu_us_per_frame``, ``worker_cpu_us_per_frame``,
+  ``model_cpu_us_per_frame``, ``batching_gain``, ``hop_p99_ms_64``, ``e2e_ratio_parrot_b64``,
+  ``e2e_ratio_synthetic_b64``, ...; ``null`` when its section failed, never a zero), the targets,
+  the run (date, commit, machine) and every section's figures;
+* ``BENCHMARKS.md``: the targets, the comparison with the baseline (``baseline.json``: the run
+  recorded before the session-tier optimization), every section's tables and plots, the profile,
+  how each figure is measured, and the hand-written notes of ``benchmarks/notes.md``;
+* the plots (PNG, matplotlib's Agg backend).
+
+``--set-baseline`` copies ``latest.json`` to ``baseline.json`` (the "before" later runs are
+compared with); commit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from benchmarks._sys import FRAME_MS, REPO
+
+#: (key, label, unit, target, direction): direction +1 = higher is better, -1 = lower is better.
+HEADLINE: list[tuple[str, str, str, float | None, int]] = [
+    ("capacity_sessions", "real-time parrot sessions, 20 ms appends", "sessions", 160, +1),
+    ("capacity_p99_ack_ms", "append -> ack p99 at that capacity", "ms", None, -1),
+    ("capacity_sessions_40ms", "real-time parrot sessions, 40 ms appends", "sessions", None, +1),
+    ("capacity_p99_first_audio_ms", "end of turn -> first audio p99 at capacity (20 ms)", "ms", None, -1),
+    ("session_cpu_us_per_frame", "session service CPU per session-frame", "µs", 60, -1),
+    ("worker_cpu_us_per_frame", "worker CPU per session-frame", "µs", None, -1),
+    ("model_cpu_us_per_frame", "model alone CPU per frame, same batch", "µs", None, -1),
+    ("session_over_model", "session service / model CPU per frame", "x", None, -1),
+    ("batching_gain", "capacity with batching / --max-batch 1", "x", 4, +1),
+    ("hop_p99_ms_64", "hop latency p99, 64 sessions", "ms", 5, -1),
+    ("e2e_ratio_parrot_b64", "end-to-end / model alone, parrot B=64", "ratio", 0.3, +1),
+    ("e2e_ratio_synthetic_b64", "end-to-end / model alone, synthetic B=64", "ratio", 0.3, +1),
+    ("model_largest_batch_32ms", "largest parrot batch stepped within 32 ms", "B", None, +1),
+]
+
+
+def load_sections(results: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("model_steps", "grpc_hop", "hop_latency", "e2e_bench", "tiers", "capacity"):
+        path = results / f"{name}.json"
+        if path.exists():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
+def _get(d: Any, *keys: Any) -> Any:
+    for k in keys:
+        if d is None:
+            return None
+        if isinstance(d, dict):
+            d = d.get(k)
+        elif isinstance(d, list) and isinstance(k, int) and -len(d) <= k < len(d):
+            d = d[k]
+        else:
+            return None
+    return d
+
+
+def headline(sections: dict[str, Any]) -> dict[str, Any]:
+    """The top-level figures of ``latest.json`` (None where a section failed or was not run)."""
+    cap = sections.get("capacity", {})
+    ramps = cap.get("ramps", {})
+    tiers = sections.get("tiers")
+    h: dict[str, Any] = {
+        "capacity_sessions": _get(ramps, "20ms", "capacity"),
+        "capacity_is_lower_bound": bool(_get(ramps, "20ms", "stopped_by_budget")),
+        "capacity_p99_ack_ms": _get(ramps, "20ms", "at_capacity", "ack_ms", "p99"),
+        "capacity_p99_first_audio_ms": _get(ramps, "20ms", "at_capacity", "first_audio_ms", "p99"),
+        "capacity_sessions_40ms": _get(ramps, "40ms", "capacity"),
+        "capacity_p99_ack_ms_40ms": _get(ramps, "40ms", "at_capacity", "ack_ms", "p99"),
+        "capacity_sessions_batch1_40ms": _get(ramps, "40ms_batch1", "capacity"),
+        "batching_gain": cap.get("batching_gain") if cap else None,
+        "session_cpu_us_per_frame": _get(tiers, "cpu_us_per_frame", "session"),
+        "worker_cpu_us_per_frame": _get(tiers, "cpu_us_per_frame", "worker"),
+        "model_cpu_us_per_frame": _get(tiers, "model_at_mean_batch", "cpu_us_per_frame"),
+        "tiers_mean_batch": _get(tiers, "mean_batch"),
+        "tiers_held_real_time": _get(tiers, "held_real_time"),
+    }
+    s, m = h["session_cpu_us_per_frame"], h["model_cpu_us_per_frame"]
+    h["session_over_model"] = s / m if s and m else None
+    w = h["worker_cpu_us_per_frame"]
+    h["worker_over_model"] = w / m if w and m else None
+    for row in _get(sections, "hop_latency", "rows") or []:
+        h[f"hop_p50_ms_{row['sessions']}"] = _get(row, "hop_ms", "p50")
+        h[f"hop_p99_ms_{row['sessions']}"] = _get(row, "hop_ms", "p99")
+    h.setdefault("hop_p99_ms_64", None)
+    for row in _get(sections, "e2e_bench", "rows") or []:
+        h[f"e2e_ratio_{row['model']}_b{row['batch']}"] = row.get("in_ratio")
+    h.setdefault("e2e_ratio_parrot_b64", None)
+    h.setdefault("e2e_ratio_synthetic_b64", None)
+    ms = sections.get("model_steps")
+    h["model_largest_batch_32ms"] = _get(ms, "largest_batch_within_frame")
+    for row in _get(ms, "rows") or []:
+        h[f"model_ms_per_step_b{row['batch']}"] = row["ms_per_step"]
+    h["grpc_packed_over_single"] = _get(sections, "grpc_hop", "packed_over_single")
+    h["session_profile_through_grpc"] = _get(cap, "profile", "through_grpc")
+    return h
+
+
+def targets(h: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for key, label, unit, target, direction in HEADLINE:
+        if target is None:
+            continue
+        value = h.get(key)
+        met = None if value is None else (value >= target if direction > 0 else value <= target)
+        out.append(
+            {
+                "key": key,
+                "label": label,
+                "unit": unit,
+                "target": target,
+                "direction": direction,
+                "value": value,
+                "met": met,
+            }
+        )
+    return out
+
+
+def build_latest(results: Path) -> dict[str, Any]:
+    sections = load_sections(results)
+    run_path = results / "run.json"
+    run = json.loads(run_path.read_text()) if run_path.exists() else {}
+    h = headline(sections)
+    h["contended_sections"] = contended(run)
+    return {"schema": 1, **h, "targets": targets(h), "run": run, "sections": sections}
+
+
+# ---------------------------------------------------------------------------------------------
+# markdown
+
+
+def f(value: Any, spec: str = ".1f", none: str = "—") -> str:
+    if value is None:
+        return none
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int) and not spec.endswith("%"):
+        return f"{value:,}"
+    return format(value, spec)
+
+
+def _spec(unit: str) -> str:
+    return {"sessions": "d", "B": "d", "x": ".2f", "ratio": ".3f"}.get(unit, ".1f")
+
+
+def _with_unit(value: Any, unit: str) -> str:
+    if value is None:
+        return "—"
+    text = f(value, _spec(unit))
+    if unit == "x":
+        return f"{text}x"
+    return text if unit == "ratio" else f"{text} {unit}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(
+    latest: dict[str, Any], baseline: dict[str, Any] | None, plots: dict[str, str], notes: str
+) -> str:
+    run = latest.get("run", {})
+    sec = latest.get("sections", {})
+    mach = run.get("machine", {})
+    git = run.get("git", {})
+    out: list[str] = []
+    add = out.append
+    add("# Benchmarks\n")
+    add(
+        "Generated by `make bench` (`python -m benchmarks.run`, then `benchmarks/report.py`): do not edit "
+        "by hand; the hand-written notes come from `benchmarks/notes.md`. Figures are one run on the "
+        "machine below, where the load generator, the session service and the worker share the cores; "
+        "ratios and CPU per frame carry over to other machines better than rates and latencies do. "
+        "A figure shown as — was not measured (its section failed: see *Failures*).\n"
+    )
+    add(
+        _table(
+            ["run", ""],
+            [
+                ["date (UTC)", str(run.get("started", "—"))],
+                [
+                    "commit",
+                    f"`{git.get('commit', '—')[:12]}` {git.get('subject', '')}"
+                    + (" (uncommitted changes)" if git.get("dirty") else ""),
+                ],
+                [
+                    "machine",
+                    f"{mach.get('cpu_model', '—')}, {mach.get('cores', '—')} cores, "
+                    f"{mach.get('memory_gib', '—')} GiB",
+                ],
+                ["load average at start", ", ".join(str(x) for x in mach.get("loadavg_at_start", [])) or "—"],
+                ["device", f"{run.get('device', '—')} (torch threads {run.get('torch_threads', '—')})"],
+                ["duration", f"{f(run.get('duration_s'), '.0f')} s"],
+            ],
+        )
+    )
+    add("")
+    busy = contended(run)
+    if busy:
+        add(
+            "**The machine was busy with other work during this run** (cores used by other processes: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in busy.items())
+            + f"; more than {BUSY_CORES:g} core flags a section): its figures are lower, and its "
+            "latencies higher, than the code's own; compare with care.\n"
+        )
+    if run.get("device", "cpu").startswith("cuda") is False:
+        add(
+            "No GPU figure is in this record: it was measured on CPU. `make bench DEVICE=cuda` (or "
+            "`benchmarks/gpu.sh`) records a GPU run under `benchmarks/gpu/`.\n"
+        )
+
+    # targets
+    add("## Against the targets\n")
+    rows = []
+    for t in latest.get("targets", []):
+        op = "≥" if t["direction"] > 0 else "≤"
+        rows.append(
+            [
+                t["label"],
+                f"{op} {_with_unit(t['target'], t['unit'])}",
+                _with_unit(t["value"], t["unit"]),
+                "not measured" if t["met"] is None else ("**met**" if t["met"] else "**missed**"),
+            ]
+        )
+    add(_table(["figure", "target", "this run", ""], rows))
+    add("")
+
+    # baseline
+    add("## Compared with the baseline\n")
+    if baseline is None:
+        add(
+            "No `baseline.json` yet: `python -m benchmarks.report --set-baseline` makes this run "
+            "the baseline.\n"
+        )
+    else:
+        brun = baseline.get("run", {})
+        add(
+            f"Baseline: `{brun.get('git', {}).get('commit', '—')[:12]}` of {brun.get('started', '—')} "
+            f"({_get(brun, 'machine', 'cpu_model') or '—'}, {_get(brun, 'machine', 'cores') or '—'} cores) "
+            "— the run recorded before the session-tier optimization. Compare on the same machine only.\n"
+        )
+        rows = []
+        for key, label, unit, _target, direction in HEADLINE:
+            b, v = baseline.get(key), latest.get(key)
+            change = "—"
+            if isinstance(b, int | float) and isinstance(v, int | float) and b:
+                ratio = v / b
+                better = (ratio > 1) == (direction > 0)
+                change = f"{ratio:.2f}x" + (
+                    "" if abs(ratio - 1) < 0.05 else (" better" if better else " worse")
+                )
+            rows.append([label, f(b, _spec(unit)), f(v, _spec(unit)), change])
+        add(_table(["figure", "baseline", "this run", "change"], rows))
+        add("")
+
+    if notes.strip():
+        add("## Notes\n")
+        add(notes.strip() + "\n")
+
+    _capacity_md(add, sec.get("capacity"), plots)
+    _tiers_md(add, sec.get("tiers"), plots)
+    _hop_md(add, sec.get("hop_latency"), sec.get("grpc_hop"), plots)
+    _e2e_md(add, sec.get("e2e_bench"), plots)
+    _model_md(add, sec.get("model_steps"), plots)
+    _failures_md(add, run)
+    return "\n".join(out) + "\n"
+
+
+def _cpu(row: dict[str, Any], key: str) -> str:
+    return f(_get(row, "cpu_pct", key), ".0f")
+
+
+def _capacity_md(add: Any, cap: dict[str, Any] | None, plots: dict[str, str]) -> None:
+    add("## Capacity: real-time parrot conversations\n")
+    if not cap:
+        add("Not measured.\n")
+        return
+    add(
+        "One `duplex worker` (parrot) and one `duplex session` process on loopback; N sessions from "
+        "load-generator processes of their own (`benchmarks/loadgen.py`), each streaming the espeak "
+        "fixtures looped with pauses at real-time pace (server turn detection, barge-in on). A step of N "
+        f"**holds** when the p99 of append → `input_ack` is under {FRAME_MS:g} ms, every session keeps real "
+        "time (generators on schedule, ≥ 95 % of each session's window appends acknowledged in it, ≤ 128 ms "
+        "unacknowledged at its end) and nothing is dropped (no error event, no close, every turn ended "
+        "in the window answered with audio). N ramps up until a step does not hold twice in a row (a step "
+        "that fails is run again: a spike of other work on a shared machine does not end the ramp); "
+        "capacity is the last N that held. CPU: % of one core over the window (/proc); *other* is the "
+        "rest of the machine (another user's load on a shared box).\n"
+    )
+    if not cap.get("complete", True):
+        add(
+            "**Incomplete**: the time budget ran out before every ramp finished; what was measured "
+            "is below.\n"
+        )
+    for name, r in cap.get("ramps", {}).items():
+        if "skipped" in r:
+            add(f"### {name}: skipped ({r['skipped']})\n")
+            continue
+        batch = " against `--max-batch 1`" if r.get("max_batch") == 1 else ""
+        held = f(r.get("capacity"), "d") if r.get("capacity") else "none"
+        note = ""
+        if r.get("stopped_by_budget"):
+            held, note = f"≥ {held}", " (the ramp stopped on the time budget)"
+        add(f"### {r['append_ms']} ms appends{batch}: capacity **{held}**{note}\n")
+        rows = []
+        for s in r["steps"]:
+            rows.append(
+                [
+                    f(s["sessions"], "d") + (" (again)" if s.get("attempt", 1) > 1 else ""),
+                    f(s["ack_ms"]["p50"]),
+                    f(s["ack_ms"]["p99"]),
+                    f(s["first_audio_ms"]["p50"], ".0f"),
+                    f(s["first_audio_ms"]["p99"], ".0f"),
+                    f"{s['answered']}/{s['turns']}",
+                    f(s["late_ms"]["p99"]),
+                    " / ".join(_cpu(s, k) for k in ("session", "worker", "generator", "other")),
+                    "holds" if s["pass"] else "fails: " + "; ".join(s["why"]),
+                ]
+            )
+        add(
+            _table(
+                [
+                    "N",
+                    "ack p50 ms",
+                    "ack p99 ms",
+                    "first audio p50 ms",
+                    "first audio p99 ms",
+                    "turns answered",
+                    "schedule lag p99 ms",
+                    "CPU % session / worker / generator / other",
+                    "",
+                ],
+                rows,
+            )
+        )
+        add("")
+    gain = cap.get("batching_gain")
+    add(
+        "**Batching gain** (capacity with batching over `--max-batch 1`, same append size): "
+        f"{f(gain, '.2f')}x.\n"
+    )
+    if "capacity" in plots:
+        add(f"![capacity]({plots['capacity']})\n")
+    prof = cap.get("profile")
+    if prof and "own" in prof:
+        add(
+            "### Where the session service's CPU goes "
+            f"(py-spy, N={prof['sessions']}, {prof['seconds']} s at 100 Hz)\n"
+        )
+        threads = _get(prof, "all_threads", "threads") or {}
+        if threads:
+            add(
+                "Samples by thread (py-spy's active samples): "
+                + ", ".join(f"{t}: {k}" for t, k in threads.items())
+                + ". `_poll_wrapper` is gRPC's C-core poller (HTTP/2, sockets); its work has no "
+                "Python frames.\n"
+            )
+        add(
+            f"The thread holding the GIL, with native frames ({prof['samples']} samples; py-spy pauses the "
+            "process for each, so this step's latencies are not a capacity figure): the work one core "
+            "serialises. By the area of the leaf frame (where the CPU is spent), "
+            f"{100 * prof.get('through_grpc', 0):.0f} % of it with gRPC somewhere on the stack:\n"
+        )
+        rows = [[f"{100 * share:.1f} %", name] for name, share in prof.get("areas", {}).items()]
+        add(_table(["share", "area"], rows))
+        add("")
+        add(
+            "Top functions by own time (the leaf frame; an unresolved native address counts as `lib.so:?`):\n"
+        )
+        rows = [[f"{100 * t['share']:.1f} %", f"`{t['function']}`"] for t in prof["own"]]
+        add(_table(["own", "function"], rows))
+        add("")
+        rows = [[f"{100 * t['share']:.1f} %", f"`{t['function']}`"] for t in prof["inclusive"]]
+        add(_table(["inclusive", "project function"], rows))
+        add("")
+    elif prof:
+        add(f"Profile skipped: {prof.get('skipped')}\n")
+
+
+def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None:
+    add("## CPU per session-frame, per tier\n")
+    if not t:
+        add("Not measured.\n")
+        return
+    us = t["cpu_us_per_frame"]
+    m = t["model_at_mean_batch"]
+    add(
+        f"{t['sessions']} parrot sessions at real time (duplex load: {t['append_ms']} ms appends, "
+        "a commit every "
+        "32 frames and a response whenever none is active, so nearly every input frame has a reply "
+        f"frame), {t['window_s']:g} s window. A session-frame is one 32 ms input frame of one session with "
+        "its ack and its reply frame. CPU from /proc (user + system, all threads) over the frames "
+        f"acknowledged in the window ({t['frames']:,.0f}; {t['reply_per_input']:.2f} reply frames per input "
+        f"frame). The worker stepped a mean batch of {t['mean_batch']:.1f}; the model alone is the parrot "
+        "in a plain loop at that batch (no engine, no gRPC). The load "
+        + (
+            "held real time."
+            if t["held_real_time"]
+            else "did **not** hold real time: " + "; ".join(t["why"]) + "."
+        )
+        + "\n"
+    )
+    rows = [
+        [
+            "session service",
+            f(us.get("session"), ".0f"),
+            f(us.get("session") / m["cpu_us_per_frame"] if us.get("session") else None, ".1f") + "x",
+        ],
+        [
+            "worker",
+            f(us.get("worker"), ".0f"),
+            f(us.get("worker") / m["cpu_us_per_frame"] if us.get("worker") else None, ".1f") + "x",
+        ],
+        [f"model alone, B={m['batch']}", f(m["cpu_us_per_frame"], ".0f"), "1x"],
+        [f"model alone, B={t['model_at_n']['batch']}", f(t["model_at_n"]["cpu_us_per_frame"], ".0f"), "—"],
+        ["load generator (client)", f(us.get("generator"), ".0f"), "—"],
+    ]
+    add(_table(["process", "CPU µs per session-frame", "over the model"], rows))
+    add("")
+    if "tiers" in plots:
+        add(f"![tiers]({plots['tiers']})\n")
+
+
+def _hop_md(
+    add: Any, hop: dict[str, Any] | None, grpc_hop: dict[str, Any] | None, plots: dict[str, str]
+) -> None:
+    add("## Hop latency: session → worker → session\n")
+    if hop:
+        add(
+            "A client doing what a session replica does on its worker link, against a real parrot worker "
+            "process: S sessions attached, one `Run` stream, one APPEND (one 32 ms frame) per session per "
+            "frame period, staggered, appends due in the same millisecond in one `WorkerCommand`. "
+            "Measured: from just before the `WorkerCommand` carrying an APPEND is written to the moment "
+            "the `StepOutput` reporting it consumed (`RequestUpdate.input_seq`) has been read -- the "
+            "worker received, queued and stepped it (VAD) and sent the news back. No session-service code "
+            "runs: this is the floor under the session tier's latencies.\n"
+        )
+        rows = [
+            [
+                f(r["sessions"], "d"),
+                f(r["hop_ms"]["p50"], ".2f"),
+                f(r["hop_ms"]["p90"], ".2f"),
+                f(r["hop_ms"]["p99"], ".2f"),
+                f(r["hop_ms"]["max"], ".1f"),
+                f(r["appends"], "d"),
+                _cpu(r, "worker"),
+            ]
+            for r in hop["rows"]
+        ]
+        add(_table(["sessions", "p50 ms", "p90 ms", "p99 ms", "max ms", "appends", "worker CPU %"], rows))
+        add("")
+        if "hop" in plots:
+            add(f"![hop]({plots['hop']})\n")
+    else:
+        add("Not measured.\n")
+    if grpc_hop:
+        add(
+            "**gRPC message cost** (`benchmarks/grpc_hop.py`: a loopback grpc.aio bidi echo, "
+            f"{grpc_hop['streams']} "
+            f"streams): {grpc_hop['single_chunks_per_s']:,.0f} 1 KiB chunks/s one per message, "
+            f"{grpc_hop['packed_chunks_per_s']:,.0f} packed {grpc_hop['pack']} per message "
+            f"({grpc_hop['packed_over_single']:.1f}x): why the worker hop carries batches.\n"
+        )
+
+
+def _e2e_md(add: Any, e2e: dict[str, Any] | None, plots: dict[str, str]) -> None:
+    add("## The serving path vs the model alone\n")
+    if not e2e:
+        add("Not measured.\n")
+        return
+    add(
+        "`benchmarks/e2e_bench.py`: B full-duplex `DuplexClient` sessions through a real session service "
+        "and worker, each appending 32 ms frames as fast as its ack window allows, committing every "
+        f"{e2e['cycle']} frames and asking for a response whenever none is active; against the engine "
+        "in-process with the same turn shape. Ratio = end-to-end input frames/s over the model alone's.\n"
+    )
+    rows = []
+    for r in e2e["rows"]:
+        cpu = r.get("cpu_cores") or {}
+        rows.append(
+            [
+                r["model"],
+                f(r["batch"], "d"),
+                f(r["alone_in_fps"], ",.0f"),
+                f(r["e2e_in_fps"], ",.0f"),
+                f(r["e2e_out_fps"], ",.0f"),
+                f(r["in_ratio"], ".3f"),
+                f(r["x_realtime"], ".1f"),
+                f(r["min_share"], ".2f"),
+                " / ".join(f(cpu.get(k), ".2f") for k in ("client", "session", "worker")),
+            ]
+        )
+    add(
+        _table(
+            [
+                "model",
+                "B",
+                "alone in/s",
+                "e2e in/s",
+                "e2e reply/s",
+                "ratio",
+                "x real time per session",
+                "min/mean",
+                "cores client / session / worker",
+            ],
+            rows,
+        )
+    )
+    add("")
+    if "e2e" in plots:
+        add(f"![e2e]({plots['e2e']})\n")
+
+
+def _model_md(add: Any, ms: dict[str, Any] | None, plots: dict[str, str]) -> None:
+    add("## The parrot model alone: per-step time\n")
+    if not ms:
+        add("Not measured.\n")
+        return
+    lo, hi = ms.get("largest_batch_within_frame"), ms.get("first_batch_over_frame")
+    add(
+        f"`benchmarks/model_steps.py` on {ms['device']} (torch threads {ms['torch_threads']}): "
+        "`ParrotModel.step` in a plain loop, every request with an input frame and a reply frame. "
+        + (
+            f"Largest batch within {FRAME_MS:g} ms: **B={lo}**"
+            + (f" (B={hi} does not fit)." if hi else " (every batch measured fits).")
+            if lo
+            else f"No batch fits {FRAME_MS:g} ms."
+        )
+        + "\n"
+    )
+    rows = [
+        [
+            f(r["batch"], "d"),
+            f(r["ms_per_step"], ".2f"),
+            f(r["cpu_us_per_frame"], ".1f"),
+            f(r["frames_per_s"], ",.0f"),
+        ]
+        for r in sorted([*ms["rows"], *ms.get("bisect", [])], key=lambda r: r["batch"])
+    ]
+    add(_table(["B", "ms per step", "CPU µs per frame", "frames/s"], rows))
+    add("")
+    if "model" in plots:
+        add(f"![model]({plots['model']})\n")
+
+
+#: Cores the rest of the machine may use during a section before the run is flagged as contended.
+BUSY_CORES = 0.5
+
+
+def contended(run: dict[str, Any]) -> dict[str, float]:
+    """Sections during which the rest of the machine used more than ``BUSY_CORES`` cores."""
+    return {
+        name: v["other_cores"]
+        for name, v in run.get("sections", {}).items()
+        if v.get("other_cores") is not None and v["other_cores"] > BUSY_CORES
+    }
+
+
+def _failures_md(add: Any, run: dict[str, Any]) -> None:
+    failed = {k: v for k, v in run.get("sections", {}).items() if not v.get("ok")}
+    add("## Sections\n")
+    rows = [
+        [
+            name,
+            f(v.get("seconds"), ".0f"),
+            f(v.get("other_cores"), ".2f"),
+            "ok" if v.get("ok") else f"**failed**: {v.get('reason')}",
+        ]
+        for name, v in run.get("sections", {}).items()
+    ]
+    add(_table(["section", "seconds", "other work on the machine meanwhile (cores)", ""], rows))
+    add("")
+    if failed:
+        add(
+            "A failed section's figures are missing above (never zeros); its reason is in the run's output.\n"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# plots
+
+
+def _last_per_n(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A ramp's steps by N, the last attempt of each (a repeated step's verdict)."""
+    by_n = {s["sessions"]: s for s in steps}
+    return [by_n[n] for n in sorted(by_n)]
+
+
+def plot_all(latest: dict[str, Any], dest: Path) -> dict[str, Path]:
+    """The PNGs (small: about 100 dpi); returns name -> path of those made."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dest.mkdir(parents=True, exist_ok=True)
+    sec = latest.get("sections", {})
+    made: dict[str, Path] = {}
+    plt.rcParams.update({"font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
+
+    cap = sec.get("capacity")
+    if cap and any(r.get("steps") for r in cap.get("ramps", {}).values()):
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        colors = {
+            "20ms": "tab:blue",
+            "40ms": "tab:green",
+            "40ms_batch1": "tab:red",
+            "20ms_batch1": "tab:purple",
+        }
+        ramps = {k: r for k, r in cap["ramps"].items() if r.get("steps")}
+        for name, r in ramps.items():
+            steps = _last_per_n(r["steps"])
+            n = [s["sessions"] for s in steps]
+            c = colors.get(name, None)
+            label = f"{r['append_ms']} ms" + (", batch 1" if r.get("max_batch") == 1 else "")
+            p99 = [s["ack_ms"]["p99"] for s in steps]
+            p50 = [s["ack_ms"]["p50"] for s in steps]
+            axes[0].plot(n, p99, "o-", color=c, label=f"{label} p99")
+            axes[0].plot(n, p50, "x--", color=c, alpha=0.6, label=f"{label} p50")
+            fa99 = [s["first_audio_ms"]["p99"] for s in steps]
+            fa50 = [s["first_audio_ms"]["p50"] for s in steps]
+            axes[1].plot(n, fa99, "o-", color=c, label=f"{label} p99")
+            axes[1].plot(n, fa50, "x--", color=c, alpha=0.6, label=f"{label} p50")
+            if r.get("capacity"):
+                axes[0].axvline(r["capacity"], color=c, alpha=0.2, lw=1.5)
+        axes[0].axhline(FRAME_MS, color="k", lw=1, ls=":", label="32 ms (one frame)")
+        axes[0].set(
+            title="append → ack latency vs sessions",
+            xlabel="concurrent sessions N",
+            ylabel="ms",
+            yscale="log",
+        )
+        axes[1].set(
+            title="end of turn → first reply audio", xlabel="concurrent sessions N", ylabel="ms", yscale="log"
+        )
+        axes[0].legend(fontsize=7)
+        axes[1].legend(fontsize=7)
+        first = next(iter(ramps.values()))
+        steps = _last_per_n(first["steps"])
+        n = [s["sessions"] for s in steps]
+        for key, c in (
+            ("session", "tab:blue"),
+            ("worker", "tab:orange"),
+            ("generator", "tab:gray"),
+            ("other", "tab:red"),
+        ):
+            axes[2].plot(n, [s["cpu_pct"].get(key) or 0 for s in steps], "o-", color=c, label=key)
+        axes[2].axhline(100, color="k", lw=1, ls=":")
+        axes[2].set(
+            title=f"CPU, {first['append_ms']} ms appends (% of a core)",
+            xlabel="concurrent sessions N",
+            ylabel="%",
+        )
+        axes[2].legend(fontsize=7)
+        fig.tight_layout()
+        made["capacity"] = dest / "capacity.png"
+        fig.savefig(made["capacity"], dpi=80)
+        plt.close(fig)
+
+    tiers = sec.get("tiers")
+    if tiers:
+        us = tiers["cpu_us_per_frame"]
+        labels = [
+            "session service",
+            "worker",
+            f"model alone B={tiers['model_at_mean_batch']['batch']}",
+            "load generator",
+        ]
+        values = [
+            us.get("session") or 0,
+            us.get("worker") or 0,
+            tiers["model_at_mean_batch"]["cpu_us_per_frame"],
+            us.get("generator") or 0,
+        ]
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        bars = ax.barh(labels[::-1], values[::-1], color=["tab:gray", "tab:green", "tab:orange", "tab:blue"])
+        ax.bar_label(bars, fmt="%.0f µs", fontsize=8)
+        ax.axvline(60, color="k", ls=":", lw=1)
+        ax.text(60, 3.45, " session target 60 µs", fontsize=7)
+        ax.set(
+            title=f"CPU per session-frame, {tiers['sessions']} real-time sessions",
+            xlabel="µs of CPU per 32 ms frame",
+        )
+        fig.tight_layout()
+        made["tiers"] = dest / "tiers.png"
+        fig.savefig(made["tiers"], dpi=80)
+        plt.close(fig)
+
+    hop = sec.get("hop_latency")
+    if hop:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        n = [r["sessions"] for r in hop["rows"]]
+        ax.plot(n, [r["hop_ms"]["p50"] for r in hop["rows"]], "o--", label="p50")
+        ax.plot(n, [r["hop_ms"]["p99"] for r in hop["rows"]], "o-", label="p99")
+        ax.axhline(5, color="k", ls=":", lw=1, label="target p99 at 64: 5 ms")
+        ax.set(
+            xscale="log",
+            title="APPEND → consumed report (session→worker→session)",
+            xlabel="sessions on the worker",
+            ylabel="ms",
+        )
+        ax.set_xticks(n, [str(x) for x in n])
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        made["hop"] = dest / "hop.png"
+        fig.savefig(made["hop"], dpi=80)
+        plt.close(fig)
+
+    e2e = sec.get("e2e_bench")
+    if e2e:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        models = sorted({r["model"] for r in e2e["rows"]})
+        batches = sorted({r["batch"] for r in e2e["rows"]})
+        width = 0.8 / max(1, len(models))
+        for i, m in enumerate(models):
+            vals = [
+                next((r["in_ratio"] or 0 for r in e2e["rows"] if r["model"] == m and r["batch"] == b), 0)
+                for b in batches
+            ]
+            ax.bar([j + i * width for j in range(len(batches))], vals, width, label=m)
+        ax.axhline(0.3, color="k", ls=":", lw=1, label="target 0.3")
+        ax.set_xticks(
+            [j + width * (len(models) - 1) / 2 for j in range(len(batches))], [f"B={b}" for b in batches]
+        )
+        ax.set(title="end-to-end input frames/s over the model alone", ylabel="ratio")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        made["e2e"] = dest / "e2e.png"
+        fig.savefig(made["e2e"], dpi=80)
+        plt.close(fig)
+
+    ms = sec.get("model_steps")
+    if ms:
+        rows = sorted([*ms["rows"], *ms.get("bisect", [])], key=lambda r: r["batch"])
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        b = [r["batch"] for r in rows]
+        ax.plot(b, [r["ms_per_step"] for r in rows], "o-", label="ms per step")
+        ax.axhline(FRAME_MS, color="k", ls=":", lw=1, label="32 ms frame")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            title=f"parrot step alone on {ms['device']}",
+            xlabel="batch B",
+            ylabel="ms per step",
+        )
+        ax2 = ax.twinx()
+        ax2.plot(
+            b, [r["cpu_us_per_frame"] for r in rows], "s--", color="tab:orange", label="CPU µs per frame"
+        )
+        ax2.set(yscale="log", ylabel="CPU µs per frame")
+        ax2.grid(False)
+        lines = ax.get_legend_handles_labels()
+        lines2 = ax2.get_legend_handles_labels()
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper center")
+        fig.tight_layout()
+        made["model"] = dest / "model_steps.png"
+        fig.savefig(made["model"], dpi=80)
+        plt.close(fig)
+    return made
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def write_all(results: Path, paths: dict[str, Path], notes_path: Path | None = None) -> dict[str, Any]:
+    latest = build_latest(results)
+    paths["latest"].parent.mkdir(parents=True, exist_ok=True)
+    paths["latest"].write_text(json.dumps(latest, indent=1) + "\n")
+    baseline = json.loads(paths["baseline"].read_text()) if paths["baseline"].exists() else None
+    made = plot_all(latest, paths["plots"])
+    md_dir = paths["markdown"].parent
+    plots = {k: _rel(v, md_dir) for k, v in made.items()}
+    notes_path = notes_path or (paths["latest"].parent / "notes.md")
+    notes = notes_path.read_text() if notes_path.exists() else ""
+    paths["markdown"].write_text(markdown(latest, baseline, plots, notes))
+    return latest
+
+
+def _rel(path: Path, start: Path) -> str:
+    import os
+
+    return os.path.relpath(path, start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.run import artifacts
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", default=str(REPO / "build" / "bench"))
+    p.add_argument(
+        "--device", default="cpu", help="which record: cpu (the top level) or cuda (benchmarks/gpu/)"
+    )
+    p.add_argument("--dest", default="", help="write everything under this directory instead (for trying)")
+    p.add_argument("--set-baseline", action="store_true", help="copy latest.json to baseline.json")
+    args = p.parse_args(argv)
+    paths = artifacts(args.device)
+    if args.dest:
+        d = Path(args.dest)
+        paths = {
+            "markdown": d / "BENCHMARKS.md",
+            "latest": d / "latest.json",
+            "baseline": paths["baseline"],
+            "plots": d / "plots",
+        }
+    if args.set_baseline:
+        shutil.copyfile(paths["latest"], paths["baseline"])
+        print(f"{paths['latest']} -> {paths['baseline']}")
+        return 0
+    write_all(Path(args.results), paths, notes_path=artifacts(args.device)["latest"].parent / "notes.md")
+    print(f"wrote {paths['markdown']}, {paths['latest']}, plots in {paths['plots']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

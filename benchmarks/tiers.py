@@ -1,0 +1,148 @@
+"""CPU per session-frame in each tier under a fixed load, beside the model's own.
+
+    python -m benchmarks.tiers [--sessions 32] [--seconds 8] [--device cpu] [--json PATH]
+
+The load: N parrot sessions from ``benchmarks.loadgen`` (its own process) in **duplex** mode, at
+real-time pace, one 32 ms worker frame per append, continuous speech, a commit every 32 frames
+and a response asked for as soon as none is active (manual turns, no barge-in), so nearly every
+input frame has a reply frame playing beside it. A **session-frame** is one 32 ms input frame of
+one session with its ``input_ack`` and its reply frame.
+
+Measured over the window, from process CPU time (/proc utime + stime, all threads; not wall
+time): the session service's and the worker's CPU seconds over the session-frames acknowledged in
+the window, in µs per frame; the reply frames per input frame that came back; the generator's CPU.
+The worker's mean batch size over the window is read from its ``duplex_worker_batch_size``
+histogram, and the model's own CPU µs per frame is then measured at that batch size in a plain
+loop (``benchmarks.model_steps``: no engine, no gRPC), after the stack has stopped. The ratios
+(session / model, worker / model) are what carries over to other machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+import torch
+
+from benchmarks._load import LoadSpec, judge, run_load, step_row
+from benchmarks._services import histogram_sum_count, scrape, stack
+from benchmarks._sys import FRAME_MS, NoMeasurement, fail, fmt, write_result
+from benchmarks.model_steps import ParrotLoop
+from worker_service.server import resolve_device
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sessions", type=int, default=32)
+    p.add_argument("--append-ms", type=int, default=32)
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    print(
+        f"tiers: {args.sessions} parrot sessions, duplex load at real time ({args.append_ms} ms appends), "
+        f"{args.seconds:g} s window; CPU from /proc",
+        flush=True,
+    )
+    spec = LoadSpec(
+        sessions=args.sessions,
+        append_ms=args.append_ms,
+        mode="duplex",
+        warmup_s=args.warmup,
+        seconds=args.seconds,
+        tail_s=1.0,
+    )
+    try:
+        with stack("parrot", device=args.device, torch_threads=args.torch_threads) as st:
+            assert st.session is not None
+            worker = st.worker_children[0]
+            pids = {"session": st.session.pid, "worker": worker.pid}
+            batches: dict[str, tuple[float, float]] = {}
+
+            def during(a: float, b: float) -> None:
+                batches["a"] = histogram_sum_count(scrape(worker.metrics), "duplex_worker_batch_size")
+
+                def at_b() -> None:
+                    time.sleep(max(0.0, b - time.monotonic()))
+                    batches["b"] = histogram_sum_count(scrape(worker.metrics), "duplex_worker_batch_size")
+
+                threading.Thread(target=at_b, daemon=True).start()
+
+            r = run_load(st.target, spec, pids, during_window=during)
+        m = r.merged
+        why = judge(m, turns=False)
+        frames = sum(s["acked"] for s in m["per_session"]) * args.append_ms / FRAME_MS
+        if frames <= 0:
+            raise NoMeasurement("no input frame was acknowledged in the window")
+        if m["reply_frames"] <= 0:
+            raise NoMeasurement("no reply frame came back in the window")
+        if "b" not in batches:
+            raise NoMeasurement("the worker's batch-size histogram could not be read at the window's end")
+        (s0, c0), (s1, c1) = batches["a"], batches["b"]
+        if c1 <= c0:
+            raise NoMeasurement("the worker made no step in the window")
+        mean_batch = (s1 - s0) / (c1 - c0)
+        us = {
+            k: (1e6 * v / frames if v is not None else None)
+            for k, v in r.cpu_s.items()
+            if k in ("session", "worker", "generator")
+        }
+        row = step_row(r, why)
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        b = max(1, round(mean_batch))
+        with torch.inference_mode():
+            loop = ParrotLoop(resolve_device(args.device))
+            model_at_mean = loop.measure(b, seconds=1.0)
+            model_at_n = loop.measure(args.sessions, seconds=1.0)
+    except NoMeasurement as exc:
+        return fail(str(exc))
+    result: dict[str, Any] = {
+        "device": args.device,
+        "sessions": args.sessions,
+        "append_ms": args.append_ms,
+        "window_s": m["window_s"],
+        "frames": frames,
+        "reply_per_input": m["reply_frames"] / frames,
+        "steps_in_window": c1 - c0,
+        "mean_batch": mean_batch,
+        "cpu_us_per_frame": us,
+        "cpu_pct": r.cpu_pct,
+        "model_at_mean_batch": model_at_mean,
+        "model_at_n": model_at_n,
+        "held_real_time": not why,
+        "why": why,
+        "load": row,
+    }
+    model_us = model_at_mean["cpu_us_per_frame"]
+    print(
+        f"  {frames:,.0f} session-frames in {m['window_s']:g} s ({frames / m['window_s']:,.0f}/s), "
+        f"{result['reply_per_input']:.2f} reply frames per input frame, mean batch {mean_batch:.1f} "
+        f"({c1 - c0:,.0f} steps)"
+    )
+    print(
+        f"  CPU µs per session-frame: session service {fmt(us['session'], '.0f')}, worker "
+        f"{fmt(us['worker'], '.0f')}, model alone at B={b} {model_us:.0f} (at B={args.sessions}: "
+        f"{model_at_n['cpu_us_per_frame']:.0f}); load generator {fmt(us['generator'], '.0f')}"
+    )
+    if us["session"] is not None and us["worker"] is not None:
+        print(
+            f"  ratios to the model at the same batch: session {us['session'] / model_us:.1f}x, "
+            f"worker {us['worker'] / model_us:.1f}x"
+        )
+    print(
+        "  the load "
+        + ("held real time" if not why else "did NOT hold real time: " + "; ".join(why))
+        + f" (ack p99 {fmt(row['ack_ms']['p99'])} ms)",
+        flush=True,
+    )
+    write_result(args.json, "tiers", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,476 @@
+"""The benchmark harness's own logic (``benchmarks/``): parsing, statistics, judging a load step,
+the capacity ramp, the profile summary, the report. No timings are asserted and no process is
+started: the benchmarks' figures are for reading, never thresholds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _load, _profile, _sys, capacity, loadgen, report, run
+
+
+def test_proc_stat_cpu_counts_fields_after_the_command_name():
+    # utime 250 and stime 50 ticks; the command name holds spaces and parentheses.
+    stat = "4242 (python (my) thing) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 7 0 100 0"
+    assert _sys.parse_stat_cpu(stat, 100) == pytest.approx(3.0)
+
+
+def test_cpu_seconds_of_this_process_and_of_none():
+    assert _sys.cpu_seconds() is not None
+    assert _sys.cpu_seconds(2**31 - 1) is None
+
+
+def test_percentiles_are_observed_values_and_none_when_empty():
+    values = list(range(1, 101))
+    assert _sys.pct(values, 50) == 50
+    assert _sys.pct(values, 99) == 99
+    assert _sys.pct(values, 100) == 100
+    assert _sys.pct([7.0], 99) == 7.0
+    assert _sys.pct([], 99) is None
+    s = _sys.summary_ms([])
+    assert s["n"] == 0 and s["p99"] is None and s["max"] is None
+
+
+def test_tape_is_whole_appends_and_speech_mode_pauses_for_the_reply():
+    utterances = [bytes(2 * 16000), bytes(2 * 8000)]  # 1 s and 0.5 s
+    for ms in (20, 40):
+        ab = loadgen.append_bytes_for(ms)
+        assert ab == 32 * ms
+        for mode in ("speech", "duplex"):
+            tape = loadgen.build_tape(utterances, mode=mode, append_bytes=ab, silence_ms=500, margin_ms=1000)
+            assert len(tape) % ab == 0
+    duplex = loadgen.build_tape(utterances, mode="duplex", append_bytes=640)
+    assert len(duplex) == 2 * 24000  # back to back, already whole appends
+    speech = loadgen.build_tape(utterances, mode="speech", append_bytes=640, silence_ms=500, margin_ms=1000)
+    # each utterance + (silence + its own length + margin)
+    assert len(speech) == 2 * (16000 + 40000 + 8000 + 32000)
+    assert loadgen.pause_ms(2 * 16000, silence_ms=500, margin_ms=1000) == 2500
+
+
+def test_fixture_utterances_are_the_sixteen_phrases():
+    utterances = loadgen.fixture_utterances()
+    assert len(utterances) == 16
+    assert all(len(u) % 2 == 0 and len(u) > 16000 for u in utterances)
+
+
+def test_sessions_split_over_generators():
+    assert _load.split(10, 3) == [4, 3, 3]
+    assert _load.split(2, 4) == [1, 1, 0, 0]
+    assert sum(_load.split(161, 2)) == 161
+
+
+def _merged(**over):
+    m = {
+        "sessions": 4,
+        "append_ms": 20,
+        "window_s": 8.0,
+        "ack_ms": [1.0] * 990 + [20.0] * 10,
+        "late_ms": [0.5] * 100,
+        "first_audio_ms": [30.0],
+        "turns": 10,
+        "answered": 10,
+        "unanswered": {},
+        "reply_frames": 100.0,
+        "per_session": [{"index": i, "sent": 400, "acked": 400, "unacked_at_end": 1} for i in range(4)],
+        "errors": {},
+        "closed": {},
+        "failures": [],
+        "failed_sessions": 0,
+        "cancelled": 0,
+    }
+    m.update(over)
+    return m
+
+
+def test_a_clean_step_holds():
+    assert _load.judge(_merged()) == []
+
+
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        ({"ack_ms": [1.0] * 95 + [40.0] * 5}, "ack p99"),
+        ({"ack_ms": []}, "no append was acknowledged"),
+        ({"late_ms": [50.0] * 10}, "behind its schedule"),
+        ({"per_session": [{"index": 0, "sent": 400, "acked": 300, "unacked_at_end": 1}]}, "acks behind"),
+        ({"per_session": [{"index": 0, "sent": 400, "acked": 400, "unacked_at_end": 20}]}, "unacknowledged"),
+        ({"per_session": [{"index": 0, "sent": 0, "acked": 0, "unacked_at_end": 0}]}, "sent nothing"),
+        ({"errors": {"internal": 1}}, "error events"),
+        ({"closed": {"slow_consumer": 1}}, "closed"),
+        ({"failed_sessions": 1, "failures": ["session 3: UNAVAILABLE"]}, "stream(s) failed"),
+        ({"turns": 0, "answered": 0}, "no turn ended"),
+        ({"answered": 9, "unanswered": {"CANCELLED barge_in": 1}}, "1 of 10 turns unanswered"),
+    ],
+)
+def test_a_step_fails_with_its_reason(over, needle):
+    why = _load.judge(_merged(**over))
+    assert why and any(needle in w for w in why), why
+
+
+def test_turns_are_not_required_where_none_are_expected():
+    assert _load.judge(_merged(turns=0, answered=0), turns=False) == []
+
+
+def test_merge_joins_latencies_and_sums_counts():
+    a = _merged()
+    b = _merged(turns=3, answered=2, unanswered={"x": 1}, errors={"e": 2})
+    m = _load.merge([a, b])
+    assert len(m["ack_ms"]) == 2000
+    assert m["turns"] == 13 and m["answered"] == 12
+    assert m["unanswered"] == {"x": 1} and m["errors"] == {"e": 2}
+    assert len(m["per_session"]) == 8
+
+
+def _runner(holds_up_to):
+    ran = []
+
+    def run_step(n):
+        ran.append(n)
+        return {"sessions": n, "pass": n <= holds_up_to, "why": [] if n <= holds_up_to else ["too many"]}
+
+    return ran, run_step
+
+
+def test_ramp_stops_at_the_first_step_that_does_not_hold():
+    ran, step = _runner(48)
+    cap, rows, stopped = capacity.ramp([16, 32, 48, 64, 96], step, confirm=False)
+    assert cap == 48 and not stopped
+    assert ran == [16, 32, 48, 64]
+    assert [r["pass"] for r in rows] == [True, True, True, False]
+
+
+def test_a_failing_step_is_confirmed_once_and_a_passing_repeat_counts():
+    ran, step = _runner(48)
+    cap, rows, _ = capacity.ramp([16, 32, 48, 64], step)
+    assert cap == 48 and ran == [16, 32, 48, 64, 64]  # 64 failed twice
+    verdicts = iter([True, False, True, False, False])
+
+    def flaky(n):
+        ok = next(verdicts)
+        return {"sessions": n, "pass": ok, "why": [] if ok else ["spike"]}
+
+    cap, rows, _ = capacity.ramp([16, 32, 48], flaky)
+    # 32 failed once (a spike), held on the repeat; 48 failed twice
+    assert cap == 32
+    assert [(r["sessions"], r["attempt"], r["pass"]) for r in rows] == [
+        (16, 1, True),
+        (32, 1, False),
+        (32, 2, True),
+        (48, 1, False),
+        (48, 2, False),
+    ]
+
+
+def test_ramp_halves_below_a_first_step_that_fails():
+    ran, step = _runner(5)
+    cap, _, _ = capacity.ramp([16, 32], step, confirm=False)
+    assert cap == 4
+    assert ran == [16, 8, 4]
+
+
+def test_ramp_reports_none_when_not_even_one_session_holds():
+    ran, step = _runner(0)
+    cap, rows, _ = capacity.ramp([4, 8], step)
+    assert cap is None
+    assert ran == [4, 4, 2, 2, 1, 1]
+    assert not rows[-1]["pass"]
+
+
+def test_ramp_stops_when_the_time_budget_is_spent():
+    ran, step = _runner(1000)
+    budget = iter([False, False, True])
+    cap, rows, stopped = capacity.ramp([16, 32, 48, 64], step, lambda: next(budget), confirm=False)
+    assert (cap, ran, stopped) == (32, [16, 32], True)
+    assert len(rows) == 2
+
+
+_ENTRY = (
+    "_run_module_as_main (<frozen runpy>:198);main (session_service/cli.py:332);"
+    "run (session_service/server.py:248);run_forever (asyncio/base_events.py:607)"
+)
+COLLAPSED = "\n".join(
+    [
+        f"thread (0x1): MainThread;{_ENTRY};Handle._run (asyncio/events.py:80);"
+        "SessionRunner._on_append (session_service/runner.py:417);"
+        "Emitter.acks (session_service/emitter.py:64) 6",
+        f"thread (0x1): MainThread;{_ENTRY};EpollSelector.select (selectors.py:468) 3",
+        "thread (0x2): Thread-1 (_poll_wrapper);Thread._bootstrap (threading.py:1002);"
+        "Thread.run (threading.py:982) 1",
+    ]
+)
+
+
+def test_profile_top_functions_own_inclusive_and_threads():
+    top = _profile.top_functions(COLLAPSED, n=5)
+    assert top["samples"] == 10
+    assert top["own"][0] == {
+        "function": "session_service/emitter.py:Emitter.acks",
+        "samples": 6,
+        "share": 0.6,
+    }
+    inclusive = [t["function"] for t in top["inclusive"]]
+    # project code only, the entry chain (cli main, server run) left out
+    assert inclusive[:2] == [
+        "session_service/emitter.py:Emitter.acks",
+        "session_service/runner.py:SessionRunner._on_append",
+    ] or set(inclusive[:2]) == {
+        "session_service/emitter.py:Emitter.acks",
+        "session_service/runner.py:SessionRunner._on_append",
+    }
+    assert not any("cli.py" in f or "server.py" in f or "asyncio" in f for f in inclusive)
+    assert top["threads"] == {"MainThread": 9, "Thread-1 (_poll_wrapper)": 1}
+
+
+NATIVE = "\n".join(
+    [
+        "thread (0x1): MainThread;Handle._run (asyncio/events.py:80);0x7f2bbc0f3b13 "
+        "(grpc/_cython/cygrpc.cpython-311-x86_64-linux-gnu.so);sendmsg (libc.so.6) 4",
+        "thread (0x1): MainThread;Handle._run (asyncio/events.py:80);"
+        "0x7f2bbbd7cc26 (grpc/_cython/cygrpc.cpython-311-x86_64-linux-gnu.so) 2",
+        "thread (0x1): MainThread;SessionRunner._run (session_service/runner.py:271);"
+        "AckWindow.consumed (session_service/ack_window.py:90) 2",
+        "thread (0x1): MainThread;EpollSelector.select (selectors.py:468) 2",
+    ]
+)
+
+
+def test_profile_areas_with_native_frames():
+    top = _profile.top_functions(NATIVE, n=3)
+    assert top["samples"] == 10
+    own = {t["function"]: t["samples"] for t in top["own"]}
+    # unresolved Cython addresses are one function per library
+    assert own["libc.so.6:sendmsg"] == 4 and own["_cython/cygrpc.cpython-311-x86_64-linux-gnu.so:?"] == 2
+    areas = top["areas"]
+    assert areas["libc (syscalls: sendmsg, write, getpid...; malloc)"] == pytest.approx(0.4)
+    assert areas["gRPC (C core, Cython, grpc.aio)"] == pytest.approx(0.2)
+    assert areas["project code (duplex, session_service)"] == pytest.approx(0.2)
+    assert areas["asyncio event loop"] == pytest.approx(0.2)
+    assert top["through_grpc"] == pytest.approx(0.6)
+
+
+def test_every_model_section_gets_the_device_and_threads():
+    for quick in (False, True):
+        for module, _title, argv, timeout in run.sections("cuda:1", 2, quick=quick):
+            assert timeout > 0
+            if module == "grpc_hop":  # no model, no worker
+                continue
+            i = argv.index("--device")
+            assert argv[i + 1] == "cuda:1", module
+            assert argv[argv.index("--torch-threads") + 1] == "2", module
+
+
+def test_cuda_runs_are_recorded_apart_from_the_cpu_record():
+    cpu, gpu = run.artifacts("cpu"), run.artifacts("cuda")
+    assert cpu["latest"].name == gpu["latest"].name == "latest.json"
+    assert cpu["latest"] != gpu["latest"] and gpu["latest"].parent.name == "gpu"
+    assert cpu["markdown"].name == "BENCHMARKS.md"
+
+
+def _sections():
+    step = {
+        "sessions": 16,
+        "append_ms": 20,
+        "ack_ms": {"n": 10, "p50": 1.0, "p90": 2.0, "p99": 12.5, "max": 20.0},
+        "first_audio_ms": {"n": 3, "p50": 30.0, "p90": 35.0, "p99": 40.0, "max": 40.0},
+        "late_ms": {"n": 10, "p50": 0.1, "p90": 0.2, "p99": 0.3, "max": 1.0},
+        "turns": 3,
+        "answered": 3,
+        "unanswered": {},
+        "cpu_pct": {"session": 40.0, "worker": 30.0, "generator": 20.0, "other": 5.0},
+        "pass": True,
+        "why": [],
+    }
+    failing = {**step, "sessions": 24, "pass": False, "why": ["ack p99 40.0 ms >= 32 ms"]}
+    ramp = {"append_ms": 20, "max_batch": None, "capacity": 16, "steps": [step, failing], "at_capacity": step}
+    return {
+        "capacity": {
+            "ramps": {
+                "20ms": ramp,
+                "40ms": {**ramp, "append_ms": 40, "capacity": 24},
+                "40ms_batch1": {**ramp, "append_ms": 40, "max_batch": 1, "capacity": 8},
+            },
+            "batching_gain": 3.0,
+            "profile": {
+                "sessions": 16,
+                "seconds": 8,
+                "samples": 10,
+                "own": [{"function": "a.py:f", "samples": 6, "share": 0.6}],
+                "inclusive": [{"function": "session_service/x.py:g", "samples": 6, "share": 0.6}],
+                "all_threads": {"threads": {"MainThread": 9}},
+            },
+        },
+        "tiers": {
+            "sessions": 32,
+            "append_ms": 32,
+            "window_s": 8.0,
+            "frames": 8000.0,
+            "reply_per_input": 0.95,
+            "mean_batch": 1.2,
+            "cpu_us_per_frame": {"session": 700.0, "worker": 1000.0, "generator": 400.0},
+            "model_at_mean_batch": {"batch": 1, "cpu_us_per_frame": 400.0},
+            "model_at_n": {"batch": 32, "cpu_us_per_frame": 60.0},
+            "held_real_time": True,
+            "why": [],
+        },
+        "hop_latency": {
+            "rows": [
+                {
+                    "sessions": 1,
+                    "hop_ms": {"p50": 2.0, "p90": 3.0, "p99": 4.0, "max": 5.0},
+                    "appends": 100,
+                    "cpu_pct": {},
+                },
+                {
+                    "sessions": 64,
+                    "hop_ms": {"p50": 3.0, "p90": 5.0, "p99": 9.0, "max": 12.0},
+                    "appends": 100,
+                    "cpu_pct": {},
+                },
+            ]
+        },
+        "e2e_bench": {
+            "cycle": 32,
+            "rows": [
+                {
+                    "model": "parrot",
+                    "batch": 64,
+                    "alone_in_fps": 10.0,
+                    "e2e_in_fps": 4.0,
+                    "e2e_out_fps": 4.0,
+                    "in_ratio": 0.4,
+                    "x_realtime": 2.0,
+                    "min_share": 0.9,
+                },
+                {
+                    "model": "synthetic",
+                    "batch": 64,
+                    "alone_in_fps": 10.0,
+                    "e2e_in_fps": 2.0,
+                    "e2e_out_fps": 2.0,
+                    "in_ratio": 0.2,
+                    "x_realtime": 1.0,
+                    "min_share": 0.9,
+                },
+            ],
+        },
+        "model_steps": {
+            "device": "cpu",
+            "torch_threads": 1,
+            "rows": [{"batch": 1, "ms_per_step": 0.5, "cpu_us_per_frame": 450.0, "frames_per_s": 2000.0}],
+            "bisect": [],
+            "largest_batch_within_frame": 512,
+            "first_batch_over_frame": 1024,
+        },
+        "grpc_hop": {
+            "streams": 64,
+            "pack": 64,
+            "single_chunks_per_s": 10000.0,
+            "packed_chunks_per_s": 90000.0,
+            "packed_over_single": 9.0,
+        },
+    }
+
+
+def test_headline_figures_and_targets():
+    h = report.headline(_sections())
+    assert h["capacity_sessions"] == 16
+    assert h["capacity_p99_ack_ms"] == 12.5
+    assert h["capacity_sessions_40ms"] == 24
+    assert h["session_cpu_us_per_frame"] == 700.0
+    assert h["model_cpu_us_per_frame"] == 400.0
+    assert h["session_over_model"] == pytest.approx(1.75)
+    assert h["hop_p99_ms_64"] == 9.0
+    assert h["e2e_ratio_parrot_b64"] == 0.4
+    assert h["batching_gain"] == 3.0
+    met = {t["key"]: t["met"] for t in report.targets(h)}
+    assert met == {
+        "capacity_sessions": False,
+        "session_cpu_us_per_frame": False,
+        "batching_gain": False,
+        "hop_p99_ms_64": False,
+        "e2e_ratio_parrot_b64": True,
+        "e2e_ratio_synthetic_b64": False,
+    }
+
+
+def test_a_missing_section_is_none_never_zero():
+    h = report.headline({})
+    for key in (
+        "capacity_sessions",
+        "capacity_p99_ack_ms",
+        "session_cpu_us_per_frame",
+        "worker_cpu_us_per_frame",
+        "model_cpu_us_per_frame",
+        "batching_gain",
+        "hop_p99_ms_64",
+        "e2e_ratio_parrot_b64",
+        "e2e_ratio_synthetic_b64",
+    ):
+        assert key in h and h[key] is None, key
+    assert all(t["met"] is None for t in report.targets(h))
+
+
+def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, data in _sections().items():
+        (results / f"{name}.json").write_text(json.dumps(data))
+    (results / "run.json").write_text(
+        json.dumps(
+            {
+                "started": "2026-11-30T00:00:00+00:00",
+                "git": {"commit": "abc123", "subject": "s", "dirty": False},
+                "machine": {"cpu_model": "Test CPU", "cores": 2},
+                "device": "cpu",
+                "sections": {"capacity": {"seconds": 10, "ok": True, "reason": ""}},
+            }
+        )
+    )
+    dest = tmp_path / "out"
+    baseline = tmp_path / "baseline.json"
+    paths = {
+        "markdown": dest / "BENCHMARKS.md",
+        "latest": dest / "latest.json",
+        "baseline": baseline,
+        "plots": dest / "plots",
+    }
+    first = report.write_all(results, paths, notes_path=tmp_path / "none.md")
+    md = paths["markdown"].read_text()
+    assert "No `baseline.json` yet" in md and "Test CPU" in md and "**missed**" in md
+    latest = json.loads(paths["latest"].read_text())
+    assert latest["capacity_sessions"] == 16 and latest["run"]["git"]["commit"] == "abc123"
+    for png in ("capacity.png", "tiers.png", "hop.png", "e2e.png", "model_steps.png"):
+        path = paths["plots"] / png
+        assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 150_000
+    # The next run compares with the baseline.
+    base = dict(first, capacity_sessions=8)
+    baseline.write_text(json.dumps(base))
+    report.write_all(results, paths, notes_path=tmp_path / "none.md")
+    md = paths["markdown"].read_text()
+    assert "Compared with the baseline" in md and "2.00x better" in md
+
+
+def test_e2e_refuses_a_stalled_measurement():
+    from benchmarks import e2e_bench
+
+    with pytest.raises(_sys.NoMeasurement, match="no input acknowledged"):
+        e2e_bench.check_flow("parrot", 2, [10, 0], 100, [])
+    with pytest.raises(_sys.NoMeasurement, match="no reply audio"):
+        e2e_bench.check_flow("parrot", 2, [10, 10], 0, [])
+    e2e_bench.check_flow("parrot", 2, [10, 10], 100, [])
+
+
+def test_a_run_beside_other_work_is_flagged():
+    run_meta = {
+        "sections": {
+            "tiers": {"seconds": 20, "ok": True, "other_cores": 0.1},
+            "capacity": {"seconds": 200, "ok": True, "other_cores": 1.3},
+            "e2e_bench": {"seconds": 50, "ok": True, "other_cores": None},
+        }
+    }
+    assert report.contended(run_meta) == {"capacity": 1.3}
+    md = report.markdown({"run": run_meta, "targets": [], "sections": {}}, None, {}, "")
+    assert "busy with other work" in md and "capacity 1.30" in md
