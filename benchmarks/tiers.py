@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--json", default="")
+    p.add_argument("--session-args", default="", help="extra flags of the session service (compare settings)")
     args = p.parse_args(argv)
     print(
         f"tiers: {args.sessions} parrot sessions, duplex load at real time ({args.append_ms} ms appends), "
@@ -57,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         tail_s=1.0,
     )
     try:
-        with stack("parrot", device=args.device, torch_threads=args.torch_threads) as st:
+        with stack(
+            "parrot",
+            device=args.device,
+            torch_threads=args.torch_threads,
+            session_args=args.session_args.split(),
+        ) as st:
             assert st.session is not None
             worker = st.worker_children[0]
             pids = {"session": st.session.pid, "worker": worker.pid}

@@ -127,6 +127,12 @@ def _parser() -> argparse.ArgumentParser:
         default=ServiceConfig(plugin="", workers=()).worker_stall_timeout_s,
         help="treat a worker as lost when it owes output and sends none for this long (0 = never)",
     )
+    p.add_argument(
+        "--worker-write-coalesce-ms",
+        type=float,
+        default=ServiceConfig(plugin="", workers=()).worker_write_coalesce_ms,
+        help="wait up to this long for more submissions to share a command to a worker (0 = none)",
+    )
     trust = p.add_argument_group(
         "TLS and authentication",
         "Without --auth-tokens, --auth-jwks or --tls-client-ca the API is unauthenticated and "
@@ -230,6 +236,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         raise SystemExit("duplex session: --max-unconsumed-input-ms must not be negative")
     if args.worker_stall_timeout_s < 0:
         raise SystemExit("duplex session: --worker-stall-timeout-s must not be negative")
+    if not 0 <= args.worker_write_coalesce_ms <= 50:
+        raise SystemExit("duplex session: --worker-write-coalesce-ms must be within 0..50")
     if args.max_sessions < 1 or args.idle_timeout_s <= 0:
         raise SystemExit("duplex session: --max-sessions and --idle-timeout-s must be positive")
     if min(args.max_concurrent_rpcs, args.max_streams_per_connection) < 0:
@@ -266,6 +274,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         replica_id=args.replica_id or f"session-{uuid.uuid4().hex[:12]}",
         drain_grace_s=args.drain_grace_s,
         worker_stall_timeout_s=args.worker_stall_timeout_s,
+        worker_write_coalesce_ms=args.worker_write_coalesce_ms,
         tls=tls,
         auth_tokens=args.auth_tokens,
         auth_jwks=args.auth_jwks,

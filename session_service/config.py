@@ -15,6 +15,10 @@ class RunnerConfig:
 
     idle_timeout_s: float = 300.0
     """Close a session after this many seconds without client events and without an active response."""
+    coalesce_acks: bool = True
+    """Fold an ``input_ack`` into one still queued for the client (same epoch, not yet written):
+    acks are cumulative, so a client that reads behind its appends gets one message for them,
+    not one each. Off: an ack per append (unit tests of the ack window read each one)."""
     mailbox_size: int = 256
     """Client events queued per session before the reader waits (backpressure to the client)."""
     outbound_limit: int = 8192
@@ -116,6 +120,12 @@ class ServiceConfig:
     the link reconnects with backoff). Catches a hung worker (SIGSTOP, a wedged GPU, a
     deadlocked engine) long before TCP/HTTP2 keepalive would. An idle link is never stalled.
     Keep it above the worker's slowest model step. 0 turns the check off."""
+    worker_write_coalesce_ms: float = 2.0
+    """How long a worker link, once it has something to send, waits for more before it writes
+    the ``WorkerCommand``: appends of sessions that arrive within the window travel in one
+    message and are stepped in one batch. Every message costs a syscall and a wake-up on both
+    ends, so this trades up to this much hop latency for CPU on both tiers (``make bench``
+    measures both). 0 writes at once."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     """Per-session limits."""
     tls: ServerTLS | None = None

@@ -25,9 +25,10 @@ class Emitter:
     Queuing raises ``OutboundOverflow`` when the client stopped reading; the runner closes
     the session then."""
 
-    def __init__(self, outbound: Outbound, clock: Clock) -> None:
+    def __init__(self, outbound: Outbound, clock: Clock, *, coalesce_acks: bool = True) -> None:
         self.outbound = outbound
         self._clock = clock
+        self._coalesce_acks = coalesce_acks
         self.count = 0
         """Events numbered so far (a session taken over continues from its token's count)."""
 
@@ -57,12 +58,14 @@ class Emitter:
     def acks(self, acks: Iterable[Ack]) -> None:
         """``input_ack`` events, with the append-to-ack latency of every append they cover."""
         for ack in acks:
-            # Built in place: no intermediate message to copy (this runs once per client chunk).
-            self.count += 1
-            ev = session_pb2.ServerEvent(event_id=f"se_{self.count}")
-            ev.input_ack.seq = ack.seq
-            ev.input_ack.epoch = ack.epoch
-            self.outbound.put(ev)
+            # Folded into an ack still queued when the client is behind; else built in place,
+            # with no intermediate message to copy (this runs once per client chunk).
+            if not (self._coalesce_acks and self.outbound.merge_ack(ack.seq, ack.epoch)):
+                self.count += 1
+                ev = session_pb2.ServerEvent(event_id=f"se_{self.count}")
+                ev.input_ack.seq = ack.seq
+                ev.input_ack.epoch = ack.epoch
+                self.outbound.put(ev)
             now = self._clock.now()
             for received in ack.received:
                 LATENCY_ACK.observe(now - received)

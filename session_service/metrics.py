@@ -106,6 +106,12 @@ EVICTIONS_PENDING: Final = Gauge(
     "Evictions waiting for their worker to be reachable from this replica.",
 )
 
+COALESCED_ACKS: Final = Counter(
+    "duplex_session_coalesced_acks",
+    "input_ack events folded into an ack still queued for a client that was behind (acks are "
+    "cumulative; each one folded is a message not written).",
+)
+
 # Known label values exist from the start, so rate() alerts see a zero series (the drop
 # reasons are created with their table, session_service.worker_output.DropReason).
 for _stage in ("ack", "first_audio"):

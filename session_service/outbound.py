@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from duplex.v1 import session_pb2
-from session_service.metrics import DROPPED, EVENTS_OUT
+from session_service.metrics import COALESCED_ACKS, DROPPED, EVENTS_OUT
 from session_service.worker_output import DropReason
 
 
@@ -78,6 +78,23 @@ class Outbound:
         self._bytes += size
         self._items.append(_Item(event, epoch, size))
         self._wake.set()
+
+    def merge_ack(self, seq: int, epoch: int) -> bool:
+        """Fold an ``input_ack`` into the one at the tail of the queue, when that one is of the
+        same epoch and not yet taken: acks are cumulative (the highest seq handed on), so a
+        client that reads more slowly than it appends gets one ack for the appends it had not
+        yet been told of, not a message each. False: nothing merged (queue a new ack)."""
+        if not self._items:
+            return False
+        tail = self._items[-1]
+        if tail.epoch is not None or not tail.event.HasField("input_ack"):
+            return False
+        ack = tail.event.input_ack
+        if ack.epoch != epoch or ack.seq >= seq:
+            return False
+        ack.seq = seq
+        COALESCED_ACKS.inc()
+        return True
 
     def put_front(self, event: session_pb2.ServerEvent) -> None:
         """Queue an event ahead of everything else (``opened`` on a resumed stream)."""

@@ -221,7 +221,7 @@ class SessionRunner:
         self.outbound = Outbound(
             lambda: self.epoch, limit=cfg.outbound_limit, limit_bytes=cfg.max_buffer_bytes
         )
-        self.emitter = Emitter(self.outbound, self._clock)
+        self.emitter = Emitter(self.outbound, self._clock, coalesce_acks=cfg.coalesce_acks)
         self._output = WorkerOutput(self, plugin, self._clock)
         self._mailbox: Mailbox[_Inbound | _Silence | _Recover | _Wake] = Mailbox(
             max_items=cfg.mailbox_size, max_bytes=cfg.max_buffer_bytes

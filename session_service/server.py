@@ -116,6 +116,7 @@ class SessionServer:
             on_health=on_health,
             backoff_max_s=self.config.worker_backoff_max_s,
             stall_timeout_s=self.config.worker_stall_timeout_s,
+            write_coalesce_s=self.config.worker_write_coalesce_ms / 1000,
             clock=self._clock,
             credentials=ChannelCredentials(tls) if tls is not None else None,
             tls_name=self._tls_name,

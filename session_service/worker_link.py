@@ -138,11 +138,15 @@ class WorkerLink:
         tls_name: str | None = None,
         claim: Callable[[WorkerLink, str], bool] = _always,
         release: Callable[[WorkerLink], None] = _nothing,
+        write_coalesce_s: float = 0.0,
     ) -> None:
         """``clock``: what the stall watchdog and the liveness record measure time on;
         ``credentials``: TLS towards the worker (None: plaintext); ``tls_name``: the name the
         worker's certificate must carry (None: the address's host); ``claim`` / ``release``:
-        the pool's one-link-per-worker-id rule (``placement.WorkerPool.claim``)."""
+        the pool's one-link-per-worker-id rule (``placement.WorkerPool.claim``);
+        ``write_coalesce_s``: how long the sender waits, once woken, for more submissions to join
+        the command (0: write at once; see ``ServiceConfig.worker_write_coalesce_s``)."""
+        self._write_coalesce_s = write_coalesce_s
         self.address = address
         self._tls_name = tls_name
         self._claim = claim
@@ -450,8 +454,13 @@ class WorkerLink:
     async def _send_loop(
         self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
     ) -> None:
+        coalesce = self._write_coalesce_s
         while True:
             await self._wake.wait()
+            if coalesce > 0:
+                # Every WorkerCommand is a syscall and a wake-up on both ends: submissions of
+                # sessions that arrive within the window share one (and the worker's next step).
+                await asyncio.sleep(coalesce)
             self._wake.clear()
             pending, self._pending = self._pending, _Pending()
             if not (pending.submit or pending.abort or pending.release):

@@ -755,7 +755,7 @@ async def test_an_append_lost_mid_write_goes_to_the_new_worker() -> None:
         deps=RunnerDeps(
             plugin=plugin,
             capabilities=plugin.capabilities(max_sessions=4),
-            config=RunnerConfig(),
+            config=RunnerConfig(coalesce_acks=False),  # an ack per append, each read
             placer=placer,
         ),
     )

@@ -7,7 +7,10 @@ import asyncio
 import pytest
 
 from duplex.v1 import session_pb2
+from session_service.ack_window import Ack
+from session_service.emitter import Emitter
 from session_service.outbound import Outbound, OutboundOverflow
+from tests.fakes import ManualClock
 
 
 def _audio(epoch: int, n: int = 10) -> session_pb2.ServerEvent:
@@ -120,3 +123,44 @@ async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_and_ending_release
     newer = out.attach()
     out.detached(new)
     assert _kind(await asyncio.wait_for(out.get(newer), 0.02)) == "committed"
+
+
+def _ack(seq: int, epoch: int) -> session_pb2.ServerEvent:
+    return session_pb2.ServerEvent(input_ack=session_pb2.InputAudioAck(seq=seq, epoch=epoch))
+
+
+async def test_an_ack_folds_only_into_a_queued_ack_of_its_epoch_at_the_tail() -> None:
+    out = Outbound(lambda: 2)
+    assert not out.merge_ack(1, 1)  # nothing queued
+    out.put(_ack(1, 1))
+    assert out.merge_ack(3, 1)  # cumulative: the queued ack now says 3
+    assert not out.merge_ack(2, 1)  # never backwards
+    assert not out.merge_ack(1, 2)  # another epoch: its own ack
+    out.put(_ack(1, 2))
+    out.put(_audio(2), epoch=2)
+    assert not out.merge_ack(2, 2)  # an ack never moves ahead of what was queued after it
+    taken = [out.get_nowait() for _ in range(4)]
+    assert [(e.input_ack.seq, e.input_ack.epoch) for e in taken[:2] if e is not None] == [(3, 1), (1, 2)]
+    assert [_kind(e) for e in taken[2:]] == ["audio_delta", "none"]
+    assert not out.merge_ack(3, 2)  # taken already (being written): a new one
+
+
+async def test_the_emitter_numbers_a_folded_ack_once_and_every_event_stays_consecutive() -> None:
+    out = Outbound(lambda: 1)
+    em = Emitter(out, ManualClock())
+    em.acks([Ack(1, 1, (0.0,))])
+    em.acks([Ack(2, 1, (0.0,))])  # the client has not read the first: folded
+    em.emit("committed", session_pb2.InputCommitted())
+    em.acks([Ack(3, 1, (0.0,))])
+    got = [out.get_nowait() for _ in range(3)]
+    assert [(e.event_id, _kind(e)) for e in got if e is not None] == [
+        ("se_1", "input_ack"),
+        ("se_2", "committed"),
+        ("se_3", "input_ack"),
+    ]
+    assert [e.input_ack.seq for e in got if e is not None and e.HasField("input_ack")] == [2, 3]
+    plain = Outbound(lambda: 1)
+    per_append = Emitter(plain, ManualClock(), coalesce_acks=False)
+    per_append.acks([Ack(1, 1, (0.0,))])
+    per_append.acks([Ack(2, 1, (0.0,))])
+    assert [e.input_ack.seq for e in (plain.get_nowait(), plain.get_nowait()) if e is not None] == [1, 2]
