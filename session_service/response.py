@@ -49,7 +49,11 @@ class InputTimeline:
     def silence_due(self, now: float, frame_s: float) -> bool:
         """Whether the input has fallen behind by the allowance. Half a frame of slack keeps a
         feeder that ticks a little early from skipping a frame."""
-        return now - self.covered >= self.allowance - frame_s / 2
+        return self.silence_due_in(now, frame_s) <= 0
+
+    def silence_due_in(self, now: float, frame_s: float) -> float:
+        """Seconds until silence is due (0 or less: due now; see ``silence_due``)."""
+        return self.covered + self.allowance - frame_s / 2 - now
 
     def silence(self, now: float, frame_s: float) -> None:
         """A frame of silence was fed."""
@@ -60,9 +64,12 @@ class SilenceFeeder:
     """Real-time silence for a lockstep model while its response runs and the client has
     fallen behind real time.
 
-    Deadline-aligned (no drift from sleep overshoot; after a stall it re-aligns instead of
-    bursting), asking only when ``due()`` (the session's ``InputTimeline`` says the client fell
-    behind), bounded (``max_frames`` per response). It only asks (``request``: returns False
+    Asks only when the session's ``InputTimeline`` says the client fell behind (``due_in()``:
+    seconds until it will have, if no more input comes). While the client streams it sleeps
+    until that moment (which each append moves on), so a client keeping real time costs no
+    wake-up per frame; once silence is due it ticks deadline-aligned each period (no drift from
+    sleep overshoot; after a stall it re-aligns instead of bursting), bounded (``max_frames``
+    per response). It only asks (``request``: returns False
     when the request could not be queued); the runner decides, in order with the client's
     events, whether the frame is still wanted and calls ``fed`` once it was handed on.
     """
@@ -73,13 +80,13 @@ class SilenceFeeder:
         period_s: float,
         max_frames: int,
         clock: Clock,
-        due: Callable[[], bool],
+        due_in: Callable[[], float],
         request: Callable[[], bool],
     ) -> None:
         self._period = period_s
         self._max_frames = max_frames
         self._clock = clock
-        self._due = due
+        self._due_in = due_in
         self._request = request
         self.frames = 0
         """Silence frames handed on in this response."""
@@ -103,8 +110,11 @@ class SilenceFeeder:
             if self.frames >= self._max_frames:
                 return
             now = clock.now()
-            if self._due():
-                self._request()
+            wait = self._due_in()
+            if wait > 0:  # the client kept up: look again when it would have fallen behind
+                deadline = now + wait
+                continue
+            self._request()
             deadline += period
             if deadline < now:  # fell behind: re-align instead of bursting
                 deadline = now + period

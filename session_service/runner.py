@@ -771,7 +771,7 @@ class SessionRunner:
                 period_s=self._frame_period,
                 max_frames=self._cfg.max_silence_frames,
                 clock=self._clock,
-                due=lambda: self._timeline.silence_due(self._clock.now(), self._frame_period),
+                due_in=lambda: self._timeline.silence_due_in(self._clock.now(), self._frame_period),
                 request=lambda: self._request_silence(resp),
             )
             resp.feeder.start()

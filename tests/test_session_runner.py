@@ -13,6 +13,7 @@ from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
 from session_service.plugins.parrot import ParrotPlugin
+from session_service.response import InputTimeline, SilenceFeeder
 from session_service.runner import RunnerDeps, SessionRunner
 from tests.fakes import ManualClock
 from tests.session_helpers import FakeLink, drain
@@ -655,3 +656,38 @@ async def test_silence_keeps_a_reply_at_real_time_once_the_client_goes_quiet() -
     assert all(not any(s.pcm) for s in silence)
     # Real time, less the allowance it waits before feeding (100 ms, two 40 ms appends' worth).
     assert abs(len(silence) * 0.032 - (2.0 - 0.1)) <= 0.064, len(silence)
+
+
+async def test_the_silence_feeder_does_not_wake_every_frame_while_the_client_keeps_up() -> None:
+    """While appends keep the input timeline at real time the feeder sleeps until the moment
+    silence would be due (each append moves it on): a few looks per second, not one per frame;
+    once the client goes quiet it feeds a frame each period."""
+    clock = ManualClock()
+    timeline = InputTimeline(clock.now())
+    looks: list[float] = []
+    requests: list[float] = []
+
+    def due_in() -> float:
+        looks.append(clock.now())
+        return timeline.silence_due_in(clock.now(), 0.032)
+
+    def request() -> bool:
+        requests.append(clock.now())
+        timeline.silence(clock.now(), 0.032)
+        feeder.fed()
+        return True
+
+    feeder = SilenceFeeder(period_s=0.032, max_frames=1000, clock=clock, due_in=due_in, request=request)
+    feeder.start()
+    try:
+        for _ in range(50):  # 1 s of 20 ms appends at real time
+            await clock.advance(0.020, step=0.002)
+            timeline.client(0.020)
+        assert requests == []
+        assert len(looks) <= 15, len(looks)  # about one per 84 ms, where a per-frame tick is 31
+        quiet_from = clock.now()
+        await clock.advance(1.0, step=0.002)
+        assert requests and requests[0] - quiet_from <= 0.1  # due after the 100 ms allowance
+        assert abs(len(requests) - (1.0 - 0.1) / 0.032) <= 2, len(requests)
+    finally:
+        feeder.stop()
