@@ -39,6 +39,8 @@ class LoadSpec:
     """Generator processes (0 = one per 64 sessions, at most the cores, at least one)."""
     cycle: int = 32
     seed: int = 1
+    separate_acks: bool = False
+    """Open without ``acks_on_output`` (every ack an event of its own, sent at hand-on)."""
 
 
 @dataclass
@@ -106,6 +108,7 @@ def run_load(
                             str(spec.seed),
                             "--out",
                             str(outs[i]),
+                            *(["--separate-acks"] if spec.separate_acks else []),
                         ],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,

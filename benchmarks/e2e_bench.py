@@ -210,7 +210,9 @@ class _Driver:
             kind = event_kind(ev)
             if kind == "input_ack":
                 self.acked = max(self.acked, ev.input_ack.seq)
-            elif kind == "audio_delta":
+            elif ev.HasField("carried_ack"):  # on output, for a client that reads it there
+                self.acked = max(self.acked, ev.carried_ack.seq)
+            if kind == "audio_delta":
                 self.reply_bytes += len(ev.audio_delta.pcm)
             elif kind == "response_done":
                 self.idle.set()

@@ -198,7 +198,11 @@ class Generator:
                 )
                 cfg = session_pb2.SessionConfig(input_format=PCM16K_MONO.to_proto(), turn_detection=td)
                 await call.write(
-                    session_pb2.ClientEvent(open=session_pb2.SessionOpen(model=args.model, config=cfg))
+                    session_pb2.ClientEvent(
+                        open=session_pb2.SessionOpen(
+                            model=args.model, config=cfg, acks_on_output=not args.separate_acks
+                        )
+                    )
                 )
                 ev = await asyncio.wait_for(call.read(), args.open_timeout_s)
                 if ev is grpc.aio.EOF or ev.WhichOneof("event") != "opened":
@@ -277,8 +281,15 @@ class Generator:
                     break
                 now = clock()
                 kind = ev.WhichOneof("event")
-                if kind == "input_ack":
-                    seq = ev.input_ack.seq
+                ack = (
+                    ev.input_ack
+                    if kind == "input_ack"
+                    else ev.carried_ack
+                    if ev.HasField("carried_ack")
+                    else None
+                )
+                if ack is not None:
+                    seq = ack.seq
                     sent = s.sent
                     for k in range(s.acked_upto + 1, min(seq, len(sent) - 1) + 1):
                         t = sent[k]
@@ -287,7 +298,7 @@ class Generator:
                             s.acked_in_window += 1
                     if seq > s.acked_upto:
                         s.acked_upto = seq
-                elif kind == "audio_delta":
+                if kind == "audio_delta":
                     turn = s.reply_turn
                     if turn is not None and turn.first_audio is None:
                         turn.first_audio = now
@@ -462,6 +473,12 @@ def parser() -> argparse.ArgumentParser:
         "--silence-ms", type=int, default=500, help="the server's turn-end silence (parrot default)"
     )
     p.add_argument("--margin-ms", type=int, default=1000, help="speech mode: pause beyond silence + reply")
+    p.add_argument(
+        "--separate-acks",
+        action="store_true",
+        help="open without acks_on_output: every ack an input_ack event of its own, sent when the "
+        "append is handed on (as a client that does not read carried_ack gets them)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--open-timeout-s", type=float, default=30.0)
     p.add_argument("--out", required=True)

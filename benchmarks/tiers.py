@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--json", default="")
+    p.add_argument(
+        "--separate-acks",
+        action="store_true",
+        help="clients that do not read carried_ack (an input_ack event per append, at hand-on)",
+    )
     p.add_argument("--session-args", default="", help="extra flags of the session service (compare settings)")
     args = p.parse_args(argv)
     print(
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_s=args.warmup,
         seconds=args.seconds,
         tail_s=1.0,
+        separate_acks=args.separate_acks,
     )
     try:
         with stack(
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "sessions": args.sessions,
         "append_ms": args.append_ms,
+        "separate_acks": args.separate_acks,
         "window_s": m["window_s"],
         "frames": frames,
         "reply_per_input": m["reply_frames"] / frames,

@@ -319,7 +319,8 @@ class DuplexClient:
         if turn_detection is not None:
             config.turn_detection.CopyFrom(turn_detection)
         body = to_struct(extra_body)
-        open_msg = session_pb2.SessionOpen(model=model, config=config, extra_body=body)
+        # This client reads acks carried on other events: a message per frame fewer.
+        open_msg = session_pb2.SessionOpen(model=model, config=config, extra_body=body, acks_on_output=True)
         first = session_pb2.ClientEvent(event_id=self.next_event_id(), open=open_msg)
         call, opened = await self._start(first, timeout_s)
         return Session(self, call, opened, raise_on_error=raise_on_error, auto_resume=auto_resume)
@@ -336,7 +337,7 @@ class DuplexClient:
         """Re-attach to an existing session (after a dropped stream) with its resume token."""
         first = session_pb2.ClientEvent(
             event_id=self.next_event_id(),
-            resume=session_pb2.SessionResume(session_id=session_id, resume_token=token),
+            resume=session_pb2.SessionResume(session_id=session_id, resume_token=token, acks_on_output=True),
         )
         call, opened = await self._start(first, timeout_s)
         return Session(self, call, opened, raise_on_error=raise_on_error, auto_resume=auto_resume)
@@ -484,12 +485,12 @@ class Session:
         kind = event_kind(ev)
         if ev.event_id.startswith("se_"):
             self.last_event_id = ev.event_id
-        if kind == "input_ack":
-            if ev.input_ack.epoch == self.epoch:
-                async with self._acks:
-                    self.acked_seq = max(self.acked_seq, ev.input_ack.seq)
-                    self._acks.notify_all()
-        elif kind == "audio_cancelled":
+        ack = ev.input_ack if kind == "input_ack" else ev.carried_ack if ev.HasField("carried_ack") else None
+        if ack is not None and ack.epoch == self.epoch:
+            async with self._acks:
+                self.acked_seq = max(self.acked_seq, ack.seq)
+                self._acks.notify_all()
+        if kind == "audio_cancelled":
             async with self._acks:
                 self.epoch = ev.audio_cancelled.epoch
                 self.seq.restart(self.epoch)  # the proto: seq restarts at 1 after audio_cancelled
@@ -578,6 +579,7 @@ class Session:
                     session_id=self.session_id,
                     resume_token=self.resume_token,
                     last_event_id=self.last_event_id,
+                    acks_on_output=True,
                 ),
             )
             try:

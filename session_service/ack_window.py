@@ -6,6 +6,10 @@ are held and released as the worker catches up, so a client that waits for acks 
 the worker's per-request input queue. A new epoch, a lost or replaced worker, or a rejected
 submission resets the window: nothing handed on is awaited any more and held acks go out.
 
+A stream whose client reads acks carried on output (``acks_on_output``) is held stricter:
+each append's ack waits until the worker has consumed it (``until_consumed``), so it goes out
+with the step's news, riding on the output that step made.
+
 The window is pure bookkeeping: every method returns the acks that may be sent now (in order)
 and emits nothing itself; the runner sends them.
 """
@@ -46,8 +50,11 @@ class AckWindow:
         self._consumed = 0
         self._inflight: deque[tuple[int, int]] = deque()
         """(worker seq, ``_sent`` once it was handed on) of APPENDs not yet consumed."""
-        self._held: deque[tuple[int, int, float]] = deque()
-        """(client seq, epoch, received) of appends handed on whose acks wait."""
+        self._held: deque[tuple[int, int, float, int]] = deque()
+        """(client seq, epoch, received, ``_sent`` when it was acked) of appends handed on whose
+        acks wait."""
+        self.until_consumed = False
+        """Hold every ack until the worker consumed the append it covers (``until_consumed``)."""
 
     @property
     def unconsumed(self) -> int:
@@ -68,8 +75,9 @@ class AckWindow:
         """The append ``seq`` was handed on: its ack, or nothing while the worker is behind.
 
         Acks never overtake each other: once one is held, later ones are held behind it."""
-        if self._held or (self.bound and self._sent - self._consumed > self.bound):
-            self._held.append((seq, epoch, received))
+        unconsumed = self._sent - self._consumed
+        if self._held or (self.bound and unconsumed > self.bound) or (self.until_consumed and unconsumed):
+            self._held.append((seq, epoch, received, self._sent))
             return _NONE
         return (Ack(seq, epoch, (received,)),)
 
@@ -78,9 +86,27 @@ class AckWindow:
         inflight = self._inflight
         while inflight and inflight[0][0] <= worker_seq:
             self._consumed = inflight.popleft()[1]
-        if self._held and self._sent - self._consumed <= self.bound:
+        held = self._held
+        if not held:
+            return _NONE
+        if self.until_consumed:
+            # The acks of the appends consumed by now, in order (a later one waits behind).
+            n = 0
+            for entry in held:
+                if entry[3] > self._consumed:
+                    break
+                n += 1
+            return self._release(n)
+        if self._sent - self._consumed <= self.bound:
             return self._release()
         return _NONE
+
+    def hold_until_consumed(self, on: bool) -> tuple[Ack, ...]:
+        """Switch ``until_consumed``; the acks that may go out now under the new rule."""
+        self.until_consumed = on
+        if on or not self._held or (self.bound and self._sent - self._consumed > self.bound):
+            return _NONE
+        return self._release()
 
     def reset(self) -> tuple[Ack, ...]:
         """The worker's input position starts over (new epoch, worker lost or replaced, input
@@ -90,20 +116,22 @@ class AckWindow:
         self._sent = self._consumed = 0
         return self._release()
 
-    def _release(self) -> tuple[Ack, ...]:
-        """The held acks: one per epoch, carrying that epoch's highest seq."""
+    def _release(self, n: int | None = None) -> tuple[Ack, ...]:
+        """The first ``n`` held acks (all: None), one per epoch, carrying that epoch's highest seq."""
         held = self._held
-        if not held:
+        if n is None:
+            n = len(held)
+        if not n:
             return _NONE
         out: list[Ack] = []
         seq, epoch = 0, held[0][1]
         received: list[float] = []
-        for s, e, r in held:
+        for _ in range(n):
+            s, e, r, _mark = held.popleft()
             if e != epoch:
                 out.append(Ack(seq, epoch, tuple(received)))
                 received = []
             seq, epoch = s, e
             received.append(r)
         out.append(Ack(seq, epoch, tuple(received)))
-        held.clear()
         return tuple(out)

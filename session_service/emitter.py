@@ -15,7 +15,7 @@ from duplex.clock import Clock
 from duplex.errors import DuplexError
 from duplex.v1 import session_pb2
 from session_service.ack_window import Ack
-from session_service.metrics import ERRORS_BY_CODE, LATENCY_ACK
+from session_service.metrics import CARRIED_ACKS, ERRORS_BY_CODE, LATENCY_ACK
 from session_service.outbound import Outbound
 
 
@@ -29,6 +29,10 @@ class Emitter:
         self.outbound = outbound
         self._clock = clock
         self._coalesce_acks = coalesce_acks
+        self.acks_on_output = False
+        """The stream reads ``carried_ack``: acks given with ``ride`` wait for the next event."""
+        self._riding: tuple[int, int] | None = None
+        """(seq, epoch) of the ack waiting to ride on the next event (``acks_on_output``)."""
         self.count = 0
         """Events numbered so far (a session taken over continues from its token's count)."""
 
@@ -38,14 +42,44 @@ class Emitter:
         return session_pb2.ServerEvent(event_id=f"se_{self.count}", **{which: msg})
 
     def emit(self, which: str, msg: Any) -> None:
-        """Queue an event that is always delivered (lifecycle, acks, errors)."""
-        self.outbound.put(self.event(which, msg))
+        """Queue an event that is always delivered (lifecycle, acks, errors); a riding ack goes
+        with it."""
+        ev = self.event(which, msg)
+        if self._riding is not None:
+            self._carry(ev)
+        self.outbound.put(ev)
 
     def emit_output(self, event: session_pb2.ServerEvent, epoch: int) -> None:
-        """Queue response output built by the data plane; it dies with ``epoch``."""
+        """Queue response output built by the data plane; it dies with ``epoch`` (and so does
+        a riding ack of that epoch it carries: an ack of a left epoch means nothing)."""
         self.count += 1
         event.event_id = f"se_{self.count}"
+        if self._riding is not None and self._riding[1] == epoch:
+            self._carry(event)
         self.outbound.put(event, epoch=epoch)
+
+    def _carry(self, event: session_pb2.ServerEvent) -> None:
+        assert self._riding is not None
+        event.carried_ack.seq, event.carried_ack.epoch = self._riding
+        self._riding = None
+        CARRIED_ACKS.inc()
+
+    def flush_acks(self) -> None:
+        """Send a riding ack that found no event to ride on as an ``input_ack`` of its own
+        (called at the end of every worker step's news, so none waits longer than that)."""
+        if self._riding is not None:
+            seq, epoch = self._riding
+            self._riding = None
+            self._put_ack(seq, epoch)
+
+    def _put_ack(self, seq: int, epoch: int) -> None:
+        if not (self._coalesce_acks and self.outbound.merge_ack(seq, epoch)):
+            # Built in place: no intermediate message to copy (this runs once per client chunk).
+            self.count += 1
+            ev = session_pb2.ServerEvent(event_id=f"se_{self.count}")
+            ev.input_ack.seq = seq
+            ev.input_ack.epoch = epoch
+            self.outbound.put(ev)
 
     def error(self, err: DuplexError, event_id: str = "") -> None:
         """An ``error`` event (counted by code); ``event_id`` names the client event it answers."""
@@ -55,17 +89,19 @@ class Emitter:
             session_pb2.Error(code=err.code, message=err.message, event_id=event_id, retryable=err.retryable),
         )
 
-    def acks(self, acks: Iterable[Ack]) -> None:
-        """``input_ack`` events, with the append-to-ack latency of every append they cover."""
+    def acks(self, acks: Iterable[Ack], *, ride: bool = False) -> None:
+        """Acks, with the append-to-ack latency of every append they cover. Each is an
+        ``input_ack`` event (folded into one still queued for a client that is behind), or, with
+        ``ride`` on a stream that reads ``carried_ack``, carried on the next event queued (the
+        output of the worker step that consumed the input), else sent alone at ``flush_acks``."""
         for ack in acks:
-            # Folded into an ack still queued when the client is behind; else built in place,
-            # with no intermediate message to copy (this runs once per client chunk).
-            if not (self._coalesce_acks and self.outbound.merge_ack(ack.seq, ack.epoch)):
-                self.count += 1
-                ev = session_pb2.ServerEvent(event_id=f"se_{self.count}")
-                ev.input_ack.seq = ack.seq
-                ev.input_ack.epoch = ack.epoch
-                self.outbound.put(ev)
+            if ride and self.acks_on_output:
+                if self._riding is not None and self._riding[1] != ack.epoch:
+                    self.flush_acks()
+                self._riding = (ack.seq, ack.epoch)  # acks are cumulative: the latest covers all
+            else:
+                self.flush_acks()  # acks never overtake each other
+                self._put_ack(ack.seq, ack.epoch)
             now = self._clock.now()
             for received in ack.received:
                 LATENCY_ACK.observe(now - received)

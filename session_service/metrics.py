@@ -112,6 +112,12 @@ COALESCED_ACKS: Final = Counter(
     "cumulative; each one folded is a message not written).",
 )
 
+CARRIED_ACKS: Final = Counter(
+    "duplex_session_carried_acks",
+    "Input acks carried on another event (carried_ack, for streams opened with acks_on_output) "
+    "instead of an input_ack event of their own: each is a message not written.",
+)
+
 # Known label values exist from the start, so rate() alerts see a zero series (the drop
 # reasons are created with their table, session_service.worker_output.DropReason).
 for _stage in ("ack", "first_audio"):

@@ -344,19 +344,30 @@ class SessionRunner:
         *,
         on_slow_consumer: Callable[[], None] | None = None,
         cut_off: Callable[[], None] | None = None,
+        acks_on_output: bool = False,
     ) -> int:
         """A client stream takes over the session's output (an open, or a resume); a stream it
         displaces is told ``closed{reason="resumed_elsewhere"}`` before it ends, and the new one
         gets nothing until the displaced one's last write is done (``Outbound``).
         ``on_slow_consumer`` is called if this stream's client stops reading and the session is
         closed for it; ``cut_off`` if, displaced in turn, it does not finish a write in time
-        (the servicer ends the call in both cases)."""
+        (the servicer ends the call in both cases). ``acks_on_output``: the stream's client reads
+        acks carried on other events (each append acked once the worker consumed it)."""
+        self._acks_on_output(acks_on_output)
         self._detached_at = None
         self._on_slow_consumer = on_slow_consumer
         farewell = None
         if self.outbound.current_attachment:
             farewell = self.emitter.event("closed", session_pb2.SessionClosed(reason="resumed_elsewhere"))
         return self.outbound.attach(farewell=farewell, cut_off=cut_off)
+
+    def _acks_on_output(self, on: bool) -> None:
+        if on == self.emitter.acks_on_output:
+            return
+        self._safely(self.emitter.flush_acks)
+        self.emitter.acks_on_output = on
+        released = self.acks.hold_until_consumed(on)
+        self._safely(lambda: self.emitter.acks(released))
 
     def detach(self) -> None:
         """The client's stream ended without ``close``: the session waits ``detached_grace_s``

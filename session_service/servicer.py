@@ -65,6 +65,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         del request_iterator  # read with context.read(): see _client_events
         it = aiter(_client_events(context))
         runner: SessionRunner | None = None
+        acks_on_output = False
         refused = 0
         # One deadline for the whole stream: refused events do not extend it.
         deadline = asyncio.get_running_loop().time() + self._open_timeout_s
@@ -84,8 +85,10 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             EVENTS_IN[kind or "none"].inc()
             try:
                 if kind == "open":
+                    acks_on_output = ev.open.acks_on_output
                     runner = await self._manager.open(ev.open, principal=principal)
                 elif kind == "resume":
+                    acks_on_output = ev.resume.acks_on_output
                     runner = await self._manager.resume(ev.resume, principal=principal)
             except DuplexError as err:
                 await self._abort(context, err)
@@ -121,7 +124,9 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             # Displaced by a resume and still writing after the handover timeout.
             cut_off.append(asyncio.create_task(self._cut_off(context, displaced=True)))
 
-        attachment = runner.attach_stream(on_slow_consumer=on_slow_consumer, cut_off=on_cut_off)
+        attachment = runner.attach_stream(
+            on_slow_consumer=on_slow_consumer, cut_off=on_cut_off, acks_on_output=acks_on_output
+        )
         reader = asyncio.create_task(self._pump(it, runner, attachment, context))
         try:
             while True:

@@ -173,12 +173,17 @@ class WorkerOutput:
         payload: common_pb2.AudioPayload | None,
         updates: Sequence[worker_pb2.RequestUpdate],
     ) -> None:
-        """One step's news for this session: updates first, then audio, then completions."""
-        live = [u for u in updates if self._news(u)]
-        if payload is not None:
-            self._audio(fence, payload)
-        for u in live:
-            self._terminal(u)
+        """One step's news for this session: updates first, then audio, then completions.
+        Acks of the input the step consumed ride on the first event queued after them (the
+        step's audio, usually), on a stream that reads them there; else they go alone."""
+        try:
+            live = [u for u in updates if self._news(u)]
+            if payload is not None:
+                self._audio(fence, payload)
+            for u in live:
+                self._terminal(u)
+        finally:
+            self._session.emitter.flush_acks()
 
     def end_speech(self) -> None:
         """Close an open speech span (the VAD that heard it is gone, or the turn ended), so
@@ -198,7 +203,7 @@ class WorkerOutput:
             return False
         if u.input_seq and u.fence.epoch == s.epoch:
             s.replay.consumed(epoch=s.epoch, seq=u.input_seq)
-            s.emitter.acks(s.acks.consumed(u.input_seq))
+            s.emitter.acks(s.acks.consumed(u.input_seq), ride=True)
         for vad in u.vad:
             if vad.kind == SPEECH_STARTED:
                 self.speech = SpeechStatus.SPEAKING

@@ -126,3 +126,55 @@ def test_held_acks_go_out_as_one_per_epoch_carrying_the_highest_seq() -> None:
     (released,) = w.consumed(3)
     assert (released.seq, released.epoch, released.received) == (6, 1, (4.0, 5.0, 6.0))
     assert w.held == 0 and w.unconsumed == 3
+
+
+@dataclass
+class StrictDriver(Driver):
+    """``until_consumed``: also checks that no ack names an append the worker has not consumed."""
+
+    wseq_of: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(client seq, epoch) -> the worker seq that carried it (or the last one before it)."""
+
+    def append(self, frames: int) -> None:
+        super().append(frames)
+        self.wseq_of[(self.client_seq, self.epoch)] = self.worker_seq
+
+    def take(self, acks: tuple[Ack, ...], *, may_exceed: bool = False) -> None:
+        for ack in acks:
+            if not may_exceed:
+                # The append an ack names (and so every one it covers) was consumed.
+                assert self.wseq_of.get((ack.seq, ack.epoch), 0) <= self.consumed_seq, (
+                    ack,
+                    self.consumed_seq,
+                )
+        super().take(acks, may_exceed=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hold_ms=st.sampled_from([0, 96]), ops=st.lists(op, max_size=60))
+def test_until_consumed_acks_only_consumed_input_and_still_every_append_once_in_order(
+    hold_ms: int, ops: list[tuple[object, ...]]
+) -> None:
+    d = StrictDriver(AckWindow(hold_ms=hold_ms, frame_ms=FRAME_MS))
+    d.window.hold_until_consumed(True)
+    for o in ops:
+        if o[0] == "append":
+            d.append(int(o[1]))  # type: ignore[call-overload]
+        elif o[0] == "consume":
+            d.consume(int(o[1]))  # type: ignore[call-overload]
+        else:
+            d.reset()
+    d.reset()
+    _check_complete_and_ordered(d)
+
+
+def test_until_consumed_releases_each_ack_as_its_append_is_consumed_and_switching_off_frees_them() -> None:
+    w = AckWindow(hold_ms=0, frame_ms=FRAME_MS)
+    assert w.hold_until_consumed(True) == ()
+    for seq in range(1, 4):
+        w.handed_on(seq, 1)
+        assert w.ack(seq, 1, float(seq)) == ()
+    (first,) = w.consumed(2)  # 1 and 2 consumed: one ack covers both; 3 waits
+    assert (first.seq, first.received) == (2, (1.0, 2.0)) and w.held == 1
+    (rest,) = w.hold_until_consumed(False)  # a stream that reads acks as events: out at once
+    assert (rest.seq, rest.received) == (3, (3.0,)) and w.held == 0

@@ -691,3 +691,65 @@ async def test_the_silence_feeder_does_not_wake_every_frame_while_the_client_kee
         assert abs(len(requests) - (1.0 - 0.1) / 0.032) <= 2, len(requests)
     finally:
         feeder.stop()
+
+
+# ---- acks carried on output (acks_on_output) ----------------------------------------------------
+
+
+def carried(events: list[session_pb2.ServerEvent]) -> list[tuple[str, int, int]]:
+    """(event kind, seq, epoch) of every ack, standalone or carried."""
+    out = []
+    for e in events:
+        if e.HasField("input_ack"):
+            out.append(("input_ack", e.input_ack.seq, e.input_ack.epoch))
+        elif e.HasField("carried_ack"):
+            out.append((e.WhichOneof("event") or "", e.carried_ack.seq, e.carried_ack.epoch))
+    return out
+
+
+async def test_on_a_stream_that_reads_carried_acks_an_append_is_acked_on_the_output_of_its_step() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    r.attach_stream(acks_on_output=True)
+    await start_response(r)
+    drain(r)
+    await _hand_on(r, range(1, 4))
+    assert [s.seq for s in link.subs if s.kind == worker_pb2.SUBMISSION_KIND_APPEND] == [1, 2, 3]
+    assert carried(drain(r)) == []  # handed on, not consumed yet: no ack
+    # The step that consumed 1 and 2 made a reply frame: the ack (of 2, covering 1) rides on it.
+    r.on_output(
+        Fence(SID, 1, r.turn_id).to_proto(),
+        common_pb2.AudioPayload(pcm=FRAME),
+        [step_update(1, r.turn_id, input_seq=2)],
+    )
+    evs = drain(r)
+    assert kinds(evs) == ["audio_delta"] and carried(evs) == [("audio_delta", 2, 1)]
+    # A step that consumed 3 with no output of the session: the ack goes alone, at once.
+    r.on_output(None, None, [step_update(1, r.turn_id, input_seq=3)])
+    assert carried(drain(r)) == [("input_ack", 3, 1)]
+    # A resumed stream that does not read carried acks gets held acks as events again, at hand-on.
+    await _hand_on(r, range(4, 5))
+    assert carried(drain(r)) == []
+    r.attach_stream(acks_on_output=False)
+    assert carried(drain(r)) == [("input_ack", 4, 1)]
+    await _hand_on(r, range(5, 6))
+    assert carried(drain(r)) == [("input_ack", 5, 1)]
+
+
+async def test_a_carried_ack_never_rides_on_audio_of_another_epoch_and_is_not_lost() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    r.attach_stream(acks_on_output=True)
+    await start_response(r)
+    turn = r.turn_id
+    drain(r)
+    await _hand_on(r, range(1, 3))
+    # The news of epoch 1 consumed 2; the step's audio is for a fence the session left (stale).
+    r.on_output(
+        Fence(SID, 0, turn).to_proto(),
+        common_pb2.AudioPayload(pcm=FRAME),
+        [step_update(1, turn, input_seq=2)],
+    )
+    evs = drain(r)
+    assert carried(evs) == [("input_ack", 2, 1)]  # alone: the audio was dropped, the ack was not
+    assert "audio_delta" not in kinds(evs)

@@ -201,6 +201,44 @@ async def test_barge_in_mid_reply_leaves_no_cancelled_audio(stack: InProcessStac
     assert sample_sum("duplex_session_events_total") > events_before
 
 
+async def test_acks_ride_on_reply_audio_for_a_client_that_reads_them(stack: InProcessStack) -> None:
+    """A client that opened with ``acks_on_output`` and keeps streaming while the reply plays gets
+    its acks on the reply's audio (fewer messages), each append still acknowledged, in order."""
+    carried_before = sample_sum("duplex_session_carried_acks_total")
+    async with grpc.aio.insecure_channel(stack.target) as ch:
+        first = open_event(extra_body={"silence_ms": 300})
+        first.open.acks_on_output = True
+        conv = Conversation(ch).start(first)
+        await conv.wait_kind("opened")
+        # An utterance, then 4 s more of quiet input streamed at real time while the reply plays.
+        voice = utterance_pcm(speech(3), PCM16K_MONO, tail_s=0.6)
+        await conv.stream(voice, PCM16K_MONO, chunk_ms=32, speedup=1)
+        quiet = bytes(PCM16K_MONO.bytes_for_ms(32))
+        for _ in range(125):
+            conv.append(quiet)
+            await asyncio.sleep(0.032)
+        done = (await conv.wait_kind("response_done", within=30)).response_done
+        assert done.status == session_pb2.RESPONSE_STATUS_COMPLETED
+        last = conv.seq
+        await conv.wait_for(
+            lambda e: (e.input_ack.seq if e.HasField("input_ack") else e.carried_ack.seq) >= last, within=10
+        )
+        conv.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        await conv.wait_done()
+    acks = [
+        (e.WhichOneof("event"), (e.input_ack if e.HasField("input_ack") else e.carried_ack).seq)
+        for e in conv.events
+        if e.HasField("input_ack") or e.HasField("carried_ack")
+    ]
+    seqs = [seq for _, seq in acks]
+    assert seqs == sorted(seqs) and seqs[-1] == last  # in order, every append covered
+    on_audio = [seq for kind, seq in acks if kind == "audio_delta"]
+    assert len(on_audio) >= 20, acks  # the reply's frames carried acks
+    standalone = [seq for kind, seq in acks if kind == "input_ack"]
+    assert len(standalone) <= last - len(on_audio)  # an input_ack message fewer for each carried
+    assert sample_sum("duplex_session_carried_acks_total") - carried_before >= len(on_audio)
+
+
 async def test_bad_input_gets_its_code_and_other_sessions_are_unaffected(stack: InProcessStack) -> None:
     counted = ("private_runtime_key", "invalid_pcm_length", "chunk_too_large", "session_not_open")
     errors_before = {code: sample("duplex_session_errors_total", {"code": code}) for code in counted}

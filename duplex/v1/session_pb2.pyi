@@ -163,9 +163,17 @@ class SessionOpen(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
     EXTRA_BODY_FIELD_NUMBER: _builtins.int
+    ACKS_ON_OUTPUT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model the caller expects (a plugin id such as "parrot"). Empty means
     the service's plugin. A mismatch is INVALID_ARGUMENT.
+    """
+    acks_on_output: _builtins.bool
+    """The client reads `ServerEvent.carried_ack`: this stream's input acks may
+    ride on other events instead of each being an `input_ack` event of its
+    own (one message per frame fewer while a reply plays). An append is then
+    acknowledged once the model has consumed it (not only handed on), on the
+    first event that goes out after that. Per stream: a resume says it again.
     """
     @_builtins.property
     def config(self) -> Global___SessionConfig:
@@ -184,10 +192,11 @@ class SessionOpen(_message.Message):
         model: _builtins.str = ...,
         config: Global___SessionConfig | None = ...,
         extra_body: _struct_pb2.Struct | None = ...,
+        acks_on_output: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "extra_body", b"extra_body"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "extra_body", b"extra_body", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks_on_output", b"acks_on_output", "config", b"config", "extra_body", b"extra_body", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -202,6 +211,7 @@ class SessionResume(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     LAST_EVENT_ID_FIELD_NUMBER: _builtins.int
+    ACKS_ON_OUTPUT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The id from `opened`."""
     resume_token: _builtins.str
@@ -213,16 +223,19 @@ class SessionResume(_message.Message):
     if any: the resumed session numbers its events after it, so no id is
     used twice. Without it numbering continues from the token.
     """
+    acks_on_output: _builtins.bool
+    """As in `SessionOpen`: this stream reads acks carried on other events."""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         resume_token: _builtins.str = ...,
         last_event_id: _builtins.str = ...,
+        acks_on_output: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_event_id", b"last_event_id", "resume_token", b"resume_token", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks_on_output", b"acks_on_output", "last_event_id", b"last_event_id", "resume_token", b"resume_token", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1137,6 +1150,7 @@ class ServerEvent(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENT_ID_FIELD_NUMBER: _builtins.int
+    CARRIED_ACK_FIELD_NUMBER: _builtins.int
     OPENED_FIELD_NUMBER: _builtins.int
     UPDATED_FIELD_NUMBER: _builtins.int
     INPUT_ACK_FIELD_NUMBER: _builtins.int
@@ -1155,6 +1169,15 @@ class ServerEvent(_message.Message):
     CLOSED_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     """Server-assigned id, unique within the session."""
+    @_builtins.property
+    def carried_ack(self) -> Global___InputAudioAck:
+        """Only on a stream opened or resumed with `acks_on_output`: an input ack
+        carried on this event, meaning exactly what an `input_ack` event with the
+        same fields would (it may ride on any event, audio included; audio of an
+        epoch that was cancelled is dropped with the acks it carries, which name
+        that left epoch and so mean nothing any more).
+        """
+
     @_builtins.property
     def opened(self) -> Global___SessionOpened: ...
     @_builtins.property
@@ -1191,6 +1214,7 @@ class ServerEvent(_message.Message):
         self,
         *,
         event_id: _builtins.str = ...,
+        carried_ack: Global___InputAudioAck | None = ...,
         opened: Global___SessionOpened | None = ...,
         updated: Global___SessionUpdated | None = ...,
         input_ack: Global___InputAudioAck | None = ...,
@@ -1208,9 +1232,9 @@ class ServerEvent(_message.Message):
         error: Global___Error | None = ...,
         closed: Global___SessionClosed | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "error", b"error", "event", b"event", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "error", b"error", "event", b"event", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "error", b"error", "event", b"event", "event_id", b"event_id", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "error", b"error", "event", b"event", "event_id", b"event_id", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "updated", "input_ack", "committed", "cleared", "speech_started", "speech_stopped", "response_started", "audio_delta", "text_delta", "transcript_delta", "audio_cancelled", "response_done", "go_away", "error", "closed"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
