@@ -135,6 +135,7 @@ def run_ramp(
                 seconds=args.seconds,
                 tail_s=args.tail,
                 generators=args.generators,
+                separate_acks=not args.carried_acks,
             )
             r = run_load(st.target, spec, pids, during_window=during)
             dead = st.dead_child()
@@ -241,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         dest="confirm",
         action="store_false",
         help="end a ramp at the first failing step (default: a failing step is run once more)",
+    )
+    p.add_argument(
+        "--carried-acks",
+        action="store_true",
+        help="sessions read acks carried on output (acked once consumed); default: an input_ack "
+        "event per append, sent once handed on (the append->ack latency the step is judged by)",
     )
     p.add_argument("--profile-s", type=int, default=8, help="py-spy the session service this long (0 = no)")
     p.add_argument("--json", default="", help="write the results here (after each ramp too)")
