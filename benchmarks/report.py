@@ -35,6 +35,13 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
     ("capacity_sessions_40ms", "real-time parrot sessions, 40 ms appends", "sessions", None, +1),
     ("capacity_p99_first_audio_ms", "end of turn -> first audio p99 at capacity (20 ms)", "ms", None, -1),
     ("session_cpu_us_per_frame", "session service CPU per session-frame", "µs", 60, -1),
+    (
+        "session_cpu_us_per_frame_separate_acks",
+        "session service CPU per session-frame, an input_ack event per append",
+        "µs",
+        None,
+        -1,
+    ),
     ("worker_cpu_us_per_frame", "worker CPU per session-frame", "µs", None, -1),
     ("model_cpu_us_per_frame", "model alone CPU per frame, same batch", "µs", None, -1),
     ("session_over_model", "session service / model CPU per frame", "x", None, -1),
@@ -83,6 +90,11 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
         "capacity_sessions_batch1_40ms": _get(ramps, "40ms_batch1", "capacity"),
         "batching_gain": cap.get("batching_gain") if cap else None,
         "session_cpu_us_per_frame": _get(tiers, "cpu_us_per_frame", "session"),
+        "session_cpu_us_per_frame_separate_acks": (
+            _get(tiers, "cpu_us_per_frame", "session")
+            if _get(tiers, "separate_acks")
+            else _get(tiers, "separate_acks_compared", "cpu_us_per_frame", "session")
+        ),
         "worker_cpu_us_per_frame": _get(tiers, "cpu_us_per_frame", "worker"),
         "model_cpu_us_per_frame": _get(tiers, "model_at_mean_batch", "cpu_us_per_frame"),
         "tiers_mean_batch": _get(tiers, "mean_batch"),
@@ -433,6 +445,28 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
     ]
     add(_table(["process", "CPU µs per session-frame", "over the model"], rows))
     add("")
+    cmp_ = t.get("separate_acks_compared")
+    if cmp_:
+        cu = cmp_["cpu_us_per_frame"]
+        add(
+            "The clients read their acks carried on the reply audio (`acks_on_output`, as `DuplexClient` "
+            "does: an append is acked once the worker consumed it, so the load is held to an ack p99 "
+            "under two frames). The same load from clients that take an `input_ack` event per append "
+            "(a second window, same processes"
+            + ("" if cmp_["held_real_time"] else "; it did **not** hold real time: " + "; ".join(cmp_["why"]))
+            + "):\n"
+        )
+        add(
+            _table(
+                ["process", "acks carried on output", "an input_ack event per append"],
+                [
+                    ["session service", f(us.get("session"), ".0f"), f(cu.get("session"), ".0f")],
+                    ["worker", f(us.get("worker"), ".0f"), f(cu.get("worker"), ".0f")],
+                    ["load generator (client)", f(us.get("generator"), ".0f"), f(cu.get("generator"), ".0f")],
+                ],
+            )
+        )
+        add("")
     if "tiers" in plots:
         add(f"![tiers]({plots['tiers']})\n")
 

@@ -314,6 +314,13 @@ def _sections():
             "model_at_n": {"batch": 32, "cpu_us_per_frame": 60.0},
             "held_real_time": True,
             "why": [],
+            "separate_acks": False,
+            "separate_acks_compared": {
+                "cpu_us_per_frame": {"session": 810.0, "worker": 1010.0, "generator": 480.0},
+                "frames": 8000.0,
+                "held_real_time": True,
+                "why": [],
+            },
         },
         "hop_latency": {
             "rows": [
@@ -442,6 +449,10 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     assert "No `baseline.json` yet" in md and "Test CPU" in md and "**missed**" in md
     latest = json.loads(paths["latest"].read_text())
     assert latest["capacity_sessions"] == 16 and latest["run"]["git"]["commit"] == "abc123"
+    # The tiers' second window (an input_ack event per append) is a figure and a table of its own.
+    assert latest["session_cpu_us_per_frame"] == 700.0
+    assert latest["session_cpu_us_per_frame_separate_acks"] == 810.0
+    assert "| session service | 700 | 810 |" in md
     for png in ("capacity.png", "tiers.png", "hop.png", "e2e.png", "model_steps.png"):
         path = paths["plots"] / png
         assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 150_000
