@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 #: First wait before reconnecting to a lost worker (doubles, jittered, up to ``backoff_max_s``).
 BACKOFF_INITIAL_S = 0.1
 
+#: How often a link looks at how many sessions submit on it (write coalescing only pays when
+#: several do).
+_SENDERS_LOOK_S = 0.1
+
 #: Default stall timeout of a link (``ServiceConfig.worker_stall_timeout_s``); 0 turns it off.
 DEFAULT_STALL_TIMEOUT_S = 3.0
 
@@ -147,6 +151,11 @@ class WorkerLink:
         ``write_coalesce_s``: how long the sender waits, once woken, for more submissions to join
         the command (0: write at once; see ``ServiceConfig.worker_write_coalesce_s``)."""
         self._write_coalesce_s = write_coalesce_s
+        self._senders: set[str] = set()
+        """Sessions that submitted since ``_senders_since`` (is there anyone to wait for?)."""
+        self._senders_since = 0.0
+        self._shared = False
+        """Whether more than one session submitted in the last look (``_worth_waiting``)."""
         self.address = address
         self._tls_name = tls_name
         self._claim = claim
@@ -234,6 +243,8 @@ class WorkerLink:
             log.debug("worker %s: no stream: submission refused", self.address)
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, UNAVAILABLE_MESSAGE)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if subs:
+            self._senders.add(subs[0].request_id)
         self._pending.submit.extend(subs)
         self._pending.futures.append(fut)
         self._wake.set()
@@ -457,7 +468,7 @@ class WorkerLink:
         coalesce = self._write_coalesce_s
         while True:
             await self._wake.wait()
-            if coalesce > 0:
+            if coalesce > 0 and self._worth_waiting():
                 # Every WorkerCommand is a syscall and a wake-up on both ends: submissions of
                 # sessions that arrive within the window share one (and the worker's next step).
                 await asyncio.sleep(coalesce)
@@ -487,6 +498,17 @@ class WorkerLink:
             for fut in pending.futures:
                 if not fut.done():
                     fut.set_result(None)
+
+    def _worth_waiting(self) -> bool:
+        """Whether other sessions may join a command within the window: more than one session
+        submitted on this link in the last tenth of a second. A lone session (nobody to wait
+        for) is written at once, so coalescing never slows it down."""
+        now = asyncio.get_running_loop().time()
+        if now - self._senders_since >= _SENDERS_LOOK_S:
+            self._shared = len(self._senders) > 1
+            self._senders.clear()
+            self._senders_since = now
+        return self._shared
 
     def _lose(self) -> None:
         was = self._healthy

@@ -1,5 +1,5 @@
-"""The worker link's sender: submissions that arrive within the coalescing window share one
-``WorkerCommand``; without a window each is written at once."""
+"""The worker link's sender: submissions of sessions that arrive within the coalescing window
+share one ``WorkerCommand``; a lone session, or a link without a window, is written at once."""
 
 from __future__ import annotations
 
@@ -35,26 +35,38 @@ def _link(coalesce_s: float) -> WorkerLink:
     return link
 
 
-async def _send(coalesce_s: float) -> list[list[str]]:
-    """Three sessions submit 10 ms apart; returns the request ids of each command written."""
+async def _send(coalesce_s: float, sids: tuple[str, ...], *, warm: tuple[str, ...] = ()) -> list[list[str]]:
+    """``warm`` sessions submit every 10 ms for a while, then ``sids`` submit 10 ms apart;
+    returns the request ids of each command written after the warm-up."""
     link, call = _link(coalesce_s), _Recorder()
     sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
     try:
+        for _ in range(20):  # 200 ms of the warm sessions submitting (the link looks who does)
+            for sid in warm:
+                link.submit([worker_pb2.Submission(request_id=sid)])
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3 if coalesce_s else 0.01)  # every warm-up command written
+        before = len(call.commands)
         written = []
-        for sid in ("s1", "s2", "s3"):
+        for sid in sids:
             written.append(link.submit([worker_pb2.Submission(request_id=sid)]))
             await asyncio.sleep(0.01)
         await asyncio.wait_for(asyncio.gather(*written), 2)  # every writer hears its write
-        return [[sub.request_id for sub in cmd.submit] for cmd in call.commands]
+        return [[sub.request_id for sub in cmd.submit] for cmd in call.commands[before:]]
     finally:
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sender
 
 
-async def test_submissions_within_the_window_share_one_command() -> None:
-    assert await _send(0.2) == [["s1", "s2", "s3"]]
+async def test_submissions_of_sessions_within_the_window_share_one_command() -> None:
+    assert await _send(0.2, ("s1", "s2", "s3"), warm=("s1", "s2")) == [["s1", "s2", "s3"]]
+
+
+async def test_a_lone_session_is_never_held_back_by_the_window() -> None:
+    # Nobody else submits on the link: waiting would only slow this session down.
+    assert await _send(0.2, ("s1", "s1", "s1"), warm=("s1",)) == [["s1"], ["s1"], ["s1"]]
 
 
 async def test_without_a_window_each_submission_is_written_at_once() -> None:
-    assert await _send(0.0) == [["s1"], ["s2"], ["s3"]]
+    assert await _send(0.0, ("s1", "s2", "s3"), warm=("s1", "s2")) == [["s1"], ["s2"], ["s3"]]
