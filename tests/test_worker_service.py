@@ -221,9 +221,11 @@ async def test_takeover_fences_the_old_owner() -> None:
         )
         got = await old.until(lambda m: len(error_codes([m], "r1")) == 2)
         assert error_codes(got, "r1")[-2:] == ["stale_epoch", "not_owner"]
-        got += await old.quiet(0.3)
-        # Nothing of epoch 5 is stepped for the old owner once the takeover is processed.
-        assert not any(m.step for m in got[-3:])
+        # Nothing of epoch 5 is stepped for the old owner once the takeover is processed (the
+        # rejection proves it was). Steps it got before the rejection may be of input queued
+        # before the takeover: the worker steps that as fast as it can, later on a busy machine.
+        after = await old.quiet(0.3)
+        assert not any(m.step for m in after), [str(m)[:300] for m in after]
         new = RunClient(stub, "new")
         new.send(sub("n1", "s1", APPEND, epoch=6, seq=1, data=pcm(noise(2))))
         got_new = await new.until(lambda m: any(u.input_seq == 1 for u in m.updates))
