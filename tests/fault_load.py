@@ -497,7 +497,10 @@ class Caller:
             turn_detection=turn_detection(auto_respond=True, barge_in=False),
         )
         first = session_pb2.ClientEvent(
-            event_id=self._event_id(), open=session_pb2.SessionOpen(model="parrot", config=config)
+            event_id=self._event_id(),
+            # Acked once consumed (carried on output), as DuplexClient does: acknowledged input has
+            # reached the model, so a replica's crash cannot lose it, and a resume re-sends the rest.
+            open=session_pb2.SessionOpen(model="parrot", config=config, acks_on_output=True),
         )
         call, ev = await self._start(target, first)
         self.session_id = ev.opened.session_id
@@ -543,7 +546,9 @@ class Caller:
             attempt += 1
             first = session_pb2.ClientEvent(
                 event_id=self._event_id(),
-                resume=session_pb2.SessionResume(session_id=self.session_id, resume_token=self.token),
+                resume=session_pb2.SessionResume(
+                    session_id=self.session_id, resume_token=self.token, acks_on_output=True
+                ),
             )
             try:
                 call, ev = await self._start(self.targets[at], first)
@@ -625,11 +630,12 @@ class Caller:
 
     def _on_event(self, ev: session_pb2.ServerEvent) -> None:
         kind = ev.WhichOneof("event")
-        if kind == "input_ack":
-            if ev.input_ack.epoch != self.epoch:
+        ack = ev.input_ack if kind == "input_ack" else ev.carried_ack if ev.HasField("carried_ack") else None
+        if ack is not None:
+            if ack.epoch != self.epoch:
                 self.anomalies["input_ack of an epoch the client was not told of"] += 1
-            self._acked(ev.input_ack.seq)
-        elif kind == "committed":
+            self._acked(ack.seq)
+        if kind == "committed":
             if self.current is not None:
                 self.turn_of_id[ev.committed.turn_id] = self.current
                 self.turns[self.current].turn_ids.append(ev.committed.turn_id)
