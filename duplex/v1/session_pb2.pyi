@@ -172,8 +172,9 @@ class SessionOpen(_message.Message):
     """The client reads `ServerEvent.carried_ack`: this stream's input acks may
     ride on other events instead of each being an `input_ack` event of its
     own (one message per frame fewer while a reply plays). An append is then
-    acknowledged once the model has consumed it (not only handed on), on the
-    first event that goes out after that. Per stream: a resume says it again.
+    acknowledged once the model has consumed its whole frames (not only been
+    handed them; a partial frame waits for the next append), on the first
+    event that goes out after that. Per stream: a resume says it again.
     """
     @_builtins.property
     def config(self) -> Global___SessionConfig:
