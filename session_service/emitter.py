@@ -33,6 +33,8 @@ class Emitter:
         """The stream reads ``carried_ack``: acks given with ``ride`` wait for the next event."""
         self._riding: tuple[int, int] | None = None
         """(seq, epoch) of the ack waiting to ride on the next event (``acks_on_output``)."""
+        self._last_carried: tuple[int, int] | None = None
+        """The latest ack, when it went out carried on another event (None: it went alone)."""
         self.count = 0
         """Events numbered so far (a session taken over continues from its token's count)."""
 
@@ -61,8 +63,19 @@ class Emitter:
     def _carry(self, event: session_pb2.ServerEvent) -> None:
         assert self._riding is not None
         event.carried_ack.seq, event.carried_ack.epoch = self._riding
+        self._last_carried = self._riding
         self._riding = None
         CARRIED_ACKS.inc()
+
+    def stop_carrying(self) -> None:
+        """The stream now attached does not read ``carried_ack``: the latest ack, if it went out
+        carried (on an event this stream may be about to get), is sent again as an
+        ``input_ack`` (acks are cumulative: a repeat is harmless, a missing one is not)."""
+        self.flush_acks()
+        self.acks_on_output = False
+        if self._last_carried is not None:
+            seq, epoch = self._last_carried
+            self._put_ack(seq, epoch)
 
     def flush_acks(self) -> None:
         """Send a riding ack that found no event to ride on as an ``input_ack`` of its own
@@ -73,6 +86,7 @@ class Emitter:
             self._put_ack(seq, epoch)
 
     def _put_ack(self, seq: int, epoch: int) -> None:
+        self._last_carried = None
         if not (self._coalesce_acks and self.outbound.merge_ack(seq, epoch)):
             # Built in place: no intermediate message to copy (this runs once per client chunk).
             self.count += 1

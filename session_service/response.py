@@ -111,8 +111,11 @@ class SilenceFeeder:
                 return
             now = clock.now()
             wait = self._due_in()
-            if wait > 0:  # the client kept up: look again when it would have fallen behind
-                deadline = now + wait
+            if wait > 0:
+                # The client kept up: look again when it would have fallen behind, or sooner, since
+                # smaller appends after a large one shrink the allowance (and so bring the moment
+                # forward) while this sleeps.
+                deadline = now + min(wait, MIN_ALLOWANCE_S)
                 continue
             self._request()
             deadline += period

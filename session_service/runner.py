@@ -353,9 +353,9 @@ class SessionRunner:
         closed for it; ``cut_off`` if, displaced in turn, it does not finish a write in time
         (the servicer ends the call in both cases). ``acks_on_output``: the stream's client reads
         acks carried on other events (each append acked once the worker consumed it)."""
-        self._acks_on_output(acks_on_output)
         self._detached_at = None
-        self._on_slow_consumer = on_slow_consumer
+        self._on_slow_consumer = on_slow_consumer  # before anything below may overflow
+        self._acks_on_output(acks_on_output)
         farewell = None
         if self.outbound.current_attachment:
             farewell = self.emitter.event("closed", session_pb2.SessionClosed(reason="resumed_elsewhere"))
@@ -364,8 +364,11 @@ class SessionRunner:
     def _acks_on_output(self, on: bool) -> None:
         if on == self.emitter.acks_on_output:
             return
-        self._safely(self.emitter.flush_acks)
-        self.emitter.acks_on_output = on
+        if on:
+            self._safely(self.emitter.flush_acks)
+            self.emitter.acks_on_output = True
+        else:
+            self._safely(self.emitter.stop_carrying)
         released = self.acks.hold_until_consumed(on)
         self._safely(lambda: self.emitter.acks(released))
 

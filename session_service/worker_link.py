@@ -149,7 +149,7 @@ class WorkerLink:
         worker's certificate must carry (None: the address's host); ``claim`` / ``release``:
         the pool's one-link-per-worker-id rule (``placement.WorkerPool.claim``);
         ``write_coalesce_s``: how long the sender waits, once woken, for more submissions to join
-        the command (0: write at once; see ``ServiceConfig.worker_write_coalesce_s``)."""
+        the command (0: write at once; see ``ServiceConfig.worker_write_coalesce_ms``)."""
         self._write_coalesce_s = write_coalesce_s
         self._senders: set[str] = set()
         """Sessions that submitted since ``_senders_since`` (is there anyone to wait for?)."""
@@ -243,7 +243,7 @@ class WorkerLink:
             log.debug("worker %s: no stream: submission refused", self.address)
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, UNAVAILABLE_MESSAGE)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if subs:
+        if subs and self._write_coalesce_s > 0:
             self._senders.add(subs[0].request_id)
         self._pending.submit.extend(subs)
         self._pending.futures.append(fut)
@@ -468,9 +468,10 @@ class WorkerLink:
         coalesce = self._write_coalesce_s
         while True:
             await self._wake.wait()
-            if coalesce > 0 and self._worth_waiting():
+            if coalesce > 0 and not self._pending.abort and self._worth_waiting():
                 # Every WorkerCommand is a syscall and a wake-up on both ends: submissions of
                 # sessions that arrive within the window share one (and the worker's next step).
+                # An abort (a barge-in) goes at once.
                 await asyncio.sleep(coalesce)
             self._wake.clear()
             pending, self._pending = self._pending, _Pending()

@@ -753,3 +753,60 @@ async def test_a_carried_ack_never_rides_on_audio_of_another_epoch_and_is_not_lo
     evs = drain(r)
     assert carried(evs) == [("input_ack", 2, 1)]  # alone: the audio was dropped, the ack was not
     assert "audio_delta" not in kinds(evs)
+
+
+async def test_the_silence_feeder_notices_the_allowance_shrink_after_a_large_append() -> None:
+    """A large append widens the allowance; the small ones after it shrink it again, which brings
+    the moment silence is due forward while the feeder sleeps: it must not oversleep it."""
+    clock = ManualClock()
+    timeline = InputTimeline(clock.now())
+    requests: list[float] = []
+
+    def request() -> bool:
+        requests.append(clock.now())
+        timeline.silence(clock.now(), 0.032)
+        feeder.fed()
+        return True
+
+    feeder = SilenceFeeder(
+        period_s=0.032,
+        max_frames=1000,
+        clock=clock,
+        due_in=lambda: timeline.silence_due_in(clock.now(), 0.032),
+        request=request,
+    )
+    feeder.start()
+    try:
+        for _ in range(10):
+            await clock.advance(0.020, step=0.002)
+            timeline.client(0.020)
+        timeline.client(0.300)  # one 300 ms append, at once: allowance 600 ms
+        await clock.advance(0.100, step=0.002)
+        timeline.client(0.020)  # a small one: allowance back to 100 ms
+        due = timeline.covered + timeline.allowance - 0.016
+        await clock.advance(2.0, step=0.002)
+        assert requests, "no silence at all"
+        assert due <= requests[0] <= due + 0.1 + 0.004, (requests[0], due)  # within one look of due
+    finally:
+        feeder.stop()
+
+
+async def test_a_stream_that_stops_reading_carried_acks_gets_the_latest_one_again() -> None:
+    link = FakeLink()
+    r = make_runner(link)
+    r.attach_stream(acks_on_output=True)
+    await start_response(r)
+    drain(r)
+    await _hand_on(r, range(1, 3))
+    r.on_output(
+        Fence(SID, 1, r.turn_id).to_proto(),
+        common_pb2.AudioPayload(pcm=FRAME),
+        [step_update(1, r.turn_id, input_seq=2)],
+    )
+    # Not read yet: the ack of 2 rides on that audio. A resumed stream that does not read
+    # carried acks is attached: it must still learn of 2.
+    r.attach_stream(acks_on_output=False)
+    evs = drain(r)
+    assert ("input_ack", 2, 1) in carried(evs), carried(evs)
+    await _hand_on(r, range(3, 4))
+    assert carried(drain(r)) == [("input_ack", 3, 1)]

@@ -70,3 +70,10 @@ async def test_a_lone_session_is_never_held_back_by_the_window() -> None:
 
 async def test_without_a_window_each_submission_is_written_at_once() -> None:
     assert await _send(0.0, ("s1", "s2", "s3"), warm=("s1", "s2")) == [["s1"], ["s2"], ["s3"]]
+
+
+async def test_without_a_window_the_link_keeps_no_record_of_who_submits() -> None:
+    link = _link(0.0)
+    for i in range(100):
+        link.submit([worker_pb2.Submission(request_id=f"s{i}")])
+    assert link._senders == set()  # nothing to look at: it must not grow with every session
