@@ -58,10 +58,11 @@ def _load_prctl() -> Callable[..., int] | None:
 _PRCTL = _load_prctl()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """preexec_fn: ask the kernel for SIGTERM when the parent goes, then close the race."""
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """preexec_fn: ask the kernel for ``sig`` when the parent goes, then close the race (use
+    ``functools.partial(die_with_parent, os.getpid())``)."""
     if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -131,7 +132,7 @@ class LocalStack:
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
         child = Child(name, proc)
         self.started_pids.append(proc.pid)

@@ -74,8 +74,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import functools
 import json
 import os
@@ -100,6 +98,7 @@ import numpy as np
 from duplex.audio import PCM16K_MONO, decode, encode, write_wav
 from duplex.client import turn_detection
 from duplex.serving import CHANNEL_OPTIONS
+from duplex.stack import die_with_parent
 from duplex.v1 import session_pb2, session_pb2_grpc
 from tests.procs import REPO, pid_alive
 from tests.session_helpers import PARROT, session_args, speech, worker_args
@@ -145,30 +144,6 @@ def _token_of(message: Any) -> str:
 
 # ---- processes ----------------------------------------------------------------------------------
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl: Callable[..., int] = libc.prctl
-        return prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _prctl()
-
-
-def _die_with_parent(parent: int) -> None:
-    """preexec_fn: SIGKILL from the kernel when this (main) thread's process goes, however it goes."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-
 
 @dataclass
 class Proc:
@@ -210,7 +185,7 @@ def _spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> Pr
             stderr=err,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGKILL),
         )
     return Proc(name, popen, log)
 

@@ -24,9 +24,11 @@ from duplex.errors import DuplexError, from_rpc_error
 from duplex.v1 import session_pb2, session_pb2_grpc, worker_pb2
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
+from session_service.plugins.parrot import ParrotPlugin
 from session_service.resume import ResumeKeys
-from session_service.runner import SessionRunner
+from session_service.runner import Placer, RunnerDeps, SessionRunner
 from session_service.server import SessionServer
+from tests.fakes import ManualClock
 from tests.procs import ServiceProcess, start_all, start_service
 from worker_service.config import WorkerConfig
 from worker_service.server import WorkerServer
@@ -559,3 +561,35 @@ def drain(r: SessionRunner) -> list[session_pb2.ServerEvent]:
     while (ev := r.outbound.get_nowait()) is not None:
         out.append(ev)
     return out
+
+
+def unit_runner(
+    link: Any,
+    *,
+    session_id: str,
+    pitch: float,
+    placer: Placer,
+    clock: ManualClock | None = None,
+    **cfg: object,
+) -> SessionRunner:
+    """A started parrot ``SessionRunner`` on ``link`` (a ``FakeLink``) at epoch 1, on a manual
+    clock, for unit tests of the runner. An ack per append unless ``coalesce_acks``: these
+    tests read the ack window's every answer."""
+    plugin = ParrotPlugin()
+    r = SessionRunner(
+        session_id=session_id,
+        settings=plugin.default_settings(),
+        runtime_config={"pitch_semitones": pitch, "silence_ms": None},
+        link=link,
+        epoch=1,
+        resume_token="tok",
+        deps=RunnerDeps(
+            plugin=plugin,
+            capabilities=plugin.capabilities(max_sessions=4),
+            config=RunnerConfig(**{"coalesce_acks": False, **cfg}),  # type: ignore[arg-type]
+            placer=placer,
+            clock=clock or ManualClock(),
+        ),
+    )
+    r.start()
+    return r

@@ -18,11 +18,10 @@ from duplex.errors import ErrorCode, UnavailableError
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
-from session_service.plugins.parrot import ParrotPlugin
 from session_service.replay import Chunk, Marker, ReplayAppend, ReplayLog
-from session_service.runner import RECOVER_DELAYS_S, RunnerDeps, SessionRunner, WorkerHandle
+from session_service.runner import RECOVER_DELAYS_S, SessionRunner, WorkerHandle
 from tests.fakes import ManualClock
-from tests.session_helpers import FakeLink, drain
+from tests.session_helpers import FakeLink, drain, unit_runner
 
 SID = "sess_replay"
 FRAME = b"\x10\x00" * 512  # one worker frame (512 samples of 16 kHz s16le)
@@ -255,25 +254,7 @@ class Placer:
 def make_runner(
     link: FakeLink, placer: Placer, *, clock: ManualClock | None = None, **cfg: object
 ) -> SessionRunner:
-    plugin = ParrotPlugin()
-    r = SessionRunner(
-        session_id=SID,
-        settings=plugin.default_settings(),
-        runtime_config={"pitch_semitones": PITCH, "silence_ms": None},
-        link=link,
-        epoch=1,
-        resume_token="tok",
-        deps=RunnerDeps(
-            plugin=plugin,
-            capabilities=plugin.capabilities(max_sessions=4),
-            # An ack per append: these tests read the ack window's every answer.
-            config=RunnerConfig(**{"coalesce_acks": False, **cfg}),  # type: ignore[arg-type]
-            placer=placer,
-            clock=clock or ManualClock(),
-        ),
-    )
-    r.start()
-    return r
+    return unit_runner(link, session_id=SID, pitch=PITCH, placer=placer, clock=clock, **cfg)
 
 
 async def settle() -> None:

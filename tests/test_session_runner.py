@@ -11,12 +11,10 @@ from duplex.audio import F32LE, S16LE
 from duplex.errors import ErrorCode
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
-from session_service.config import RunnerConfig
-from session_service.plugins.parrot import ParrotPlugin
 from session_service.response import InputTimeline, SilenceFeeder
-from session_service.runner import RunnerDeps, SessionRunner
+from session_service.runner import SessionRunner
 from tests.fakes import ManualClock
-from tests.session_helpers import FakeLink, drain
+from tests.session_helpers import FakeLink, drain, unit_runner
 
 FRAME = b"\x10\x00" * 512
 SID = "sess_unit"
@@ -27,26 +25,7 @@ async def _placer(session_id: str, epoch: int, takeover: bool):  # type: ignore[
 
 
 def make_runner(link: FakeLink, *, clock: ManualClock | None = None, **cfg: object) -> SessionRunner:
-    plugin = ParrotPlugin()
-    settings = plugin.default_settings()
-    r = SessionRunner(
-        session_id=SID,
-        settings=settings,
-        runtime_config={"pitch_semitones": 4.0, "silence_ms": None},
-        link=link,
-        epoch=1,
-        resume_token="tok",
-        deps=RunnerDeps(
-            plugin=plugin,
-            capabilities=plugin.capabilities(max_sessions=4),
-            # An ack per append: these tests read the ack window's every answer.
-            config=RunnerConfig(**{"coalesce_acks": False, **cfg}),  # type: ignore[arg-type]
-            placer=_placer,
-            clock=clock or ManualClock(),
-        ),
-    )
-    r.start()
-    return r
+    return unit_runner(link, session_id=SID, pitch=4.0, placer=_placer, clock=clock, **cfg)
 
 
 def kinds(events: list[session_pb2.ServerEvent]) -> list[str]:
