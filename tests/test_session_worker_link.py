@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from duplex.v1 import worker_pb2
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.worker_link import WorkerLink
@@ -77,3 +79,14 @@ async def test_without_a_window_the_link_keeps_no_record_of_who_submits() -> Non
     for i in range(100):
         link.submit([worker_pb2.Submission(request_id=f"s{i}")])
     assert link._senders == set()  # nothing to look at: it must not grow with every session
+
+
+def test_the_write_window_flag_is_bounded() -> None:
+    from session_service.cli import config_from_args
+
+    base = ["--plugin", "session_service.plugins.parrot:ParrotPlugin", "--workers", "127.0.0.1:1"]
+    assert config_from_args(base).worker_write_coalesce_ms == 2.0
+    assert config_from_args([*base, "--worker-write-coalesce-ms", "0"]).worker_write_coalesce_ms == 0
+    for bad in ("-1", "51", "nan"):
+        with pytest.raises(SystemExit):
+            config_from_args([*base, "--worker-write-coalesce-ms", bad])
