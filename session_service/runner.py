@@ -82,6 +82,13 @@ REPLAY_APPEND_FRAMES = 64
 #: How long a session that lost its worker keeps trying to place itself on another before the
 #: interrupted turn is given up (a few tries: links come back, the pool re-resolves).
 RECOVER_DELAYS_S = (0.0, 0.2, 0.5, 1.0)
+#: The longest the runner goes without looking at its deadlines (idle, detached, a submission's
+#: write) when none falls due sooner. They are looked at by one task per session, not by a timer
+#: armed for every event: a submission that is not written in ``submit_timeout_s`` fails within
+#: this much more.
+DEADLINE_LOOK_S = 1.0
+#: How soon the runner looks again at a deadline that passed while a response kept it open.
+DEADLINE_RELOOK_S = 0.05
 
 #: Close reasons after which the session is over (its worker tombstones it; its token is dead).
 #: A drained or fenced session lives on elsewhere.
@@ -120,7 +127,7 @@ class _Inbound:
 
 @dataclass(slots=True)
 class _Wake:
-    """Nothing to do but look at the timers again (the stream detached)."""
+    """A deadline (idle, detached) fell due: the runner looks at them, in order, between events."""
 
 
 @dataclass(slots=True)
@@ -230,6 +237,10 @@ class SessionRunner:
         """When the client's stream ended without close (None while a stream is attached)."""
         self._on_slow_consumer: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._deadlines: asyncio.Task[None] | None = None
+        self._wake_queued = False
+        self._submit_wait: tuple[asyncio.Future[None], float] | None = None
+        """The submission the runner awaits the write of, and when it is overdue."""
         self._last_seq = 0
         self._worker_seq = 0
         self._last_client = self._commit_at = self._clock.now()
@@ -278,6 +289,9 @@ class SessionRunner:
         if self._restart is not None:  # taken over mid-reply: restart it first
             self._mailbox.put_control(_Recover())
         self._task = asyncio.create_task(self._run(), name=f"session-{self.session_id}")
+        self._deadlines = asyncio.create_task(
+            self._watch_deadlines(), name=f"session-{self.session_id}-deadlines"
+        )
 
     async def post(self, event: session_pb2.ClientEvent, received: float | None = None) -> None:
         """Queue a client event (waits while the mailbox is full: backpressure to the client)."""
@@ -378,7 +392,7 @@ class SessionRunner:
         if self.closed:
             return
         self._detached_at = self._clock.now()
-        self._mailbox.put_nowait(_Wake())  # re-arm the mailbox wait with the new deadline
+        self._rewatch()  # the detached grace may fall due before the deadline it watches
 
     def go_away(self, reason: str) -> None:
         self._safely(
@@ -423,26 +437,62 @@ class SessionRunner:
 
     async def _next_item(self) -> _Inbound | _Silence | _Recover | None:
         item = self._mailbox.get_nowait()
-        if item is not None:  # the common case under load: no timer, no suspension
-            return None if isinstance(item, _Wake) else item
+        if item is None:
+            item = await self._mailbox.get()
+        if isinstance(item, _Wake):
+            self._wake_queued = False
+            self._look_at_deadlines()
+            return None
+        return item
+
+    def _idle_timeout_s(self) -> float:
         # A client may shorten the operator's idle timeout, never extend it: an abandoned
         # session must not pin capacity longer than the operator allows.
-        idle = float(min(self.settings.idle_timeout_s or self._cfg.idle_timeout_s, self._cfg.idle_timeout_s))
-        deadline = self._last_client + idle
+        return float(min(self.settings.idle_timeout_s or self._cfg.idle_timeout_s, self._cfg.idle_timeout_s))
+
+    def _deadline(self) -> float:
+        """When the session falls idle (or its detached grace ends), unless the client speaks."""
+        deadline = self._last_client + self._idle_timeout_s()
         if self._detached_at is not None:
             deadline = min(deadline, self._detached_at + self._cfg.detached_grace_s)
-        wait = max(0.05, deadline - self._clock.now())
-        try:
-            async with self._clock.timeout(wait):
-                got = await self._mailbox.get()
-                return None if isinstance(got, _Wake) else got
-        except TimeoutError:
-            now = self._clock.now()
-            if self._detached_at is not None and now - self._detached_at >= self._cfg.detached_grace_s:
-                self._close("detached")
-            elif self.response is None and now - self._last_client >= idle:
-                self._close("idle_timeout")
-            return None
+        return deadline
+
+    def _look_at_deadlines(self) -> None:
+        """In the runner, between events: close a session whose detached grace ended, or that
+        was idle (no client event, no response) for its idle timeout."""
+        now = self._clock.now()
+        if self._detached_at is not None and now - self._detached_at >= self._cfg.detached_grace_s:
+            self._close("detached")
+        elif self.response is None and now - self._last_client >= self._idle_timeout_s():
+            self._close("idle_timeout")
+
+    async def _watch_deadlines(self) -> None:
+        """Sleeps until the next deadline (at most ``DEADLINE_LOOK_S``): one wake-up a second
+        per session instead of a timer armed and cancelled for every event. A due idle or
+        detached deadline is handed to the runner (it closes in order, between events); a
+        submission not written in time is failed here (the runner awaits it)."""
+        clock = self._clock
+        while not self.closed:
+            now = clock.now()
+            waiting = self._submit_wait
+            if waiting is not None and now >= waiting[1] and not waiting[0].done():
+                waiting[0].set_exception(TimeoutError(f"not written within {self._cfg.submit_timeout_s} s"))
+            due = self._deadline()
+            if now >= due:
+                if not self._wake_queued:
+                    self._wake_queued = True
+                    self._mailbox.put_control(_Wake())
+                due = now + DEADLINE_RELOOK_S
+            await clock.sleep(min(due - now, DEADLINE_LOOK_S))
+
+    def _rewatch(self) -> None:
+        """A deadline moved closer (the stream detached, the idle timeout shrank): the watch
+        starts again from it."""
+        if self._deadlines is not None and not self.closed:
+            self._deadlines.cancel()
+            self._deadlines = asyncio.create_task(
+                self._watch_deadlines(), name=f"session-{self.session_id}-deadlines"
+            )
 
     async def _dispatch(self, item: _Inbound) -> None:
         ev = item.event
@@ -691,7 +741,10 @@ class SessionRunner:
             self.state.audio_buffer = FramePacketizer(
                 new.input_format, self._plugin.worker_format, self._plugin.frame_samples
             )
+        shorter = (new.idle_timeout_s or self._cfg.idle_timeout_s) < self._idle_timeout_s()
         self.settings = new
+        if shorter:
+            self._rewatch()
         self.apply_runtime(runtime)
         self.emitter.emit("updated", session_pb2.SessionUpdated(config=new.to_proto()))
 
@@ -1125,15 +1178,20 @@ class SessionRunner:
             self.acks.handed_on(wseq, frames)
 
     async def _submit(self, link: WorkerHandle, subs: Sequence[worker_pb2.Submission]) -> None:
+        """Hand submissions to the link and wait until they are written; one not written in
+        ``submit_timeout_s`` fails (``_watch_deadlines`` fails it: no timer per submission)."""
+        written = link.submit(subs)
+        self._submit_wait = (written, self._clock.now() + self._cfg.submit_timeout_s)
         try:
-            async with self._clock.timeout(self._cfg.submit_timeout_s):
-                await link.submit(subs)
+            await written
         except DuplexError:
             raise
         except (TimeoutError, ConnectionError) as exc:
             raise UnavailableError(
                 ErrorCode.WORKER_UNAVAILABLE, f"worker did not take the input: {exc}"
             ) from exc
+        finally:
+            self._submit_wait = None
 
     # ---- closing ---------------------------------------------------------------------------
 
@@ -1168,3 +1226,5 @@ class SessionRunner:
         # Closed from the router, a timer or the server: stop the mailbox task too.
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
+        if self._deadlines is not None and self._deadlines is not asyncio.current_task():
+            self._deadlines.cancel()

@@ -4,6 +4,8 @@ append validation, the response lifecycle, refusals."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -11,8 +13,9 @@ from duplex.audio import F32LE, S16LE
 from duplex.errors import ErrorCode
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
+from session_service.config import RunnerConfig
 from session_service.response import InputTimeline, SilenceFeeder
-from session_service.runner import SessionRunner
+from session_service.runner import DEADLINE_LOOK_S, SessionRunner
 from tests.fakes import ManualClock
 from tests.session_helpers import FakeLink, drain, unit_runner
 
@@ -344,6 +347,75 @@ async def test_an_active_response_keeps_an_idle_session_open() -> None:
     await clock.advance(11)
     await asyncio.wait_for(r.wait_closed(), 5)
     assert drain(r)[-1].closed.reason == "idle_timeout"
+
+
+class _CountingClock(ManualClock):
+    """Counts the timers the runner asks for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps = 0
+        self.timeouts = 0
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        await super().sleep(seconds)
+
+    def timeout(self, seconds: float) -> Any:
+        self.timeouts += 1
+        return super().timeout(seconds)
+
+
+async def test_appends_arm_no_timer_each() -> None:
+    """Idle, detached and submit deadlines are looked at about once a second, not armed and
+    cancelled for every event (two timers per append before)."""
+    clock = _CountingClock()
+    link = FakeLink()
+    # Nothing reports the input consumed here: acks must not wait for that.
+    r = make_runner(link, clock=clock, idle_timeout_s=300, max_unconsumed_input_ms=60_000)
+    await settle()
+    for seq in range(1, 101):  # 3.2 s of real-time appends
+        await r.post(append(seq))
+        await clock.advance(0.032)
+    evs = drain(r)
+    assert [e.input_ack.seq for e in evs if e.HasField("input_ack")] == list(range(1, 101))
+    assert clock.timeouts == 0
+    assert clock.sleeps <= 3.2 / DEADLINE_LOOK_S + 2, clock.sleeps
+    r.close("test")
+    await r.wait_closed()
+
+
+async def test_a_submission_not_written_in_time_fails_worker_unavailable() -> None:
+    class NeverWrites(FakeLink):
+        def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+            self.subs.extend(subs)
+            return asyncio.get_running_loop().create_future()  # a worker that stopped reading
+
+    clock = ManualClock()
+    r = make_runner(NeverWrites(), clock=clock)
+    await r.post(append(1))
+    timeout = RunnerConfig().submit_timeout_s
+    await clock.advance(timeout - 0.1, step=0.1)
+    assert "error" not in kinds(drain(r))  # not yet
+    await clock.advance(DEADLINE_LOOK_S + 0.2, step=0.1)
+    evs = drain(r)
+    errors = [e.error for e in evs if e.HasField("error")]
+    assert [(e.code, e.event_id) for e in errors] == [(ErrorCode.WORKER_UNAVAILABLE.value, "a1")]
+    assert not r.closed  # the session goes on: the input is abandoned until commit or clear
+    r.close("test")
+    await r.wait_closed()
+
+
+async def test_a_detached_session_closes_after_its_grace_even_while_idle_is_far() -> None:
+    clock = ManualClock()
+    r = make_runner(FakeLink(), clock=clock, idle_timeout_s=300, detached_grace_s=5)
+    await settle()
+    r.detach()
+    await clock.advance(4.5, step=0.25)
+    assert not r.closed
+    await clock.advance(1, step=0.25)
+    await asyncio.wait_for(r.wait_closed(), 5)
+    assert drain(r)[-1].closed.reason == "detached"
 
 
 async def test_a_client_that_stops_reading_is_cut_off_by_bytes_not_only_by_count() -> None:
