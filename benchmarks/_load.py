@@ -51,6 +51,9 @@ class LoadResult:
     cpu_s: dict[str, float | None]
     wall_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    cpu_detail: dict[str, dict[str, float] | None] = field(default_factory=dict)
+    """Per process over the window: user and kernel CPU seconds and context switches
+    (``CpuMeter.detail``; the generators summed)."""
 
 
 def generator_count(spec: LoadSpec) -> int:
@@ -168,7 +171,16 @@ def run_load(
         None if any(meter.seconds[g] is None for g in gens) else sum(meter.seconds[g] or 0.0 for g in gens)
     )
     merged["generators"] = len(procs)
-    return LoadResult(spec=spec, merged=merged, cpu_pct=cpu_pct, cpu_s=cpu_s, wall_s=meter.wall)
+    detail = {k: v for k, v in meter.detail.items() if not k.startswith("generator")}
+    gen_detail = [meter.detail.get(g) for g in gens]
+    detail["generator"] = (
+        None
+        if not gen_detail or any(d is None for d in gen_detail)
+        else {k: sum(d[k] for d in gen_detail if d is not None) for k in ("user_s", "system_s", "switches")}
+    )
+    return LoadResult(
+        spec=spec, merged=merged, cpu_pct=cpu_pct, cpu_s=cpu_s, wall_s=meter.wall, cpu_detail=detail
+    )
 
 
 def _await_event(

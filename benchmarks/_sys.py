@@ -5,6 +5,7 @@ nothing (``NoMeasurement``: the section exits non-zero with the reason, never pr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -37,6 +38,39 @@ def parse_stat_cpu(stat: str, ticks: int) -> float:
     ``)``; utime and stime are fields 14 and 15 of the line."""
     fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def parse_stat_times(stat: str, ticks: int) -> tuple[float, float]:
+    """(user, system) CPU seconds from the text of ``/proc/PID/stat``: time in the process's own
+    code and time in the kernel on its behalf (syscalls, the loopback TCP path, scheduling)."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def parse_status_switches(status: str) -> int:
+    """Voluntary + involuntary context switches from the text of one thread's
+    ``/proc/PID/task/TID/status``."""
+    total = 0
+    for line in status.splitlines():
+        if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+            total += int(line.split(":", 1)[1])
+    return total
+
+
+def proc_detail(pid: int) -> dict[str, float] | None:
+    """``user_s``, ``system_s`` and ``switches`` (context switches summed over the threads alive
+    now: a thread that ended took its count with it) of a process; None once it is gone."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            user, system = parse_stat_times(f.read(), ticks)
+        switches = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
+                switches += parse_status_switches(f.read())
+    except (OSError, ValueError, IndexError):
+        return None
+    return {"user_s": user, "system_s": system, "switches": float(switches)}
 
 
 def cpu_seconds(pid: int | None = None) -> float | None:
@@ -76,10 +110,15 @@ class CpuMeter:
         self._busy0: float | None = None
         self.seconds: dict[str, float | None] = {}
         """CPU seconds each process used in the window."""
+        self.detail: dict[str, dict[str, float] | None] = {}
+        """Per process, over the window: ``user_s``, ``system_s`` (kernel) and ``switches``
+        (context switches of its threads), None for one that went away."""
+        self._d0: dict[str, dict[str, float] | None] = {}
         self.wall = 0.0
 
     def start(self) -> None:
         self._c0 = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self._d0 = {name: proc_detail(pid) if pid else None for name, pid in self.pids.items()}
         self._busy0 = machine_busy_seconds()
         self._t0 = time.monotonic()
 
@@ -87,6 +126,9 @@ class CpuMeter:
         """% of one core per process over the window (None for a process that went away), and
         ``other``."""
         c1 = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        for name, pid in self.pids.items():
+            d0, d1 = self._d0.get(name), proc_detail(pid) if pid else None
+            self.detail[name] = None if d0 is None or d1 is None else {k: d1[k] - d0[k] for k in d1}
         busy1 = machine_busy_seconds()
         self.wall = time.monotonic() - self._t0
         out: dict[str, float | None] = {}

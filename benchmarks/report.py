@@ -99,6 +99,8 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
         "model_cpu_us_per_frame": _get(tiers, "model_at_mean_batch", "cpu_us_per_frame"),
         "tiers_mean_batch": _get(tiers, "mean_batch"),
         "tiers_held_real_time": _get(tiers, "held_real_time"),
+        "session_kernel_us_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "kernel_us"),
+        "session_switches_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "switches"),
     }
     s, m = h["session_cpu_us_per_frame"], h["model_cpu_us_per_frame"]
     h["session_over_model"] = s / m if s and m else None
@@ -445,6 +447,25 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
     ]
     add(_table(["process", "CPU µs per session-frame", "over the model"], rows))
     add("")
+    detail = t.get("cpu_detail_per_frame") or {}
+    drows = [
+        [label, f(d["user_us"], ".0f"), f(d["kernel_us"], ".0f"), f(d["switches"], ".1f")]
+        for label, d in (
+            ("session service", detail.get("session")),
+            ("worker", detail.get("worker")),
+            ("load generator (client)", detail.get("generator")),
+        )
+        if d is not None
+    ]
+    if drows:
+        add(
+            "Where that CPU goes, per session-frame: user space (Python, gRPC's core, protobuf), the "
+            "kernel (syscalls, the loopback TCP path, scheduling), and context switches of all the "
+            "process's threads (gRPC hands every completed read and write from its threads to the "
+            "event loop's):\n"
+        )
+        add(_table(["process", "user µs", "kernel µs", "context switches"], drows))
+        add("")
     cmp_ = t.get("separate_acks_compared")
     if cmp_:
         cu = cmp_["cpu_us_per_frame"]

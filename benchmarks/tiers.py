@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in r.cpu_s.items()
             if k in ("session", "worker", "generator")
         }
+        detail = per_frame_detail(r.cpu_detail, frames)
         row = step_row(r, why)
         if args.torch_threads:
             torch.set_num_threads(args.torch_threads)
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps_in_window": c1 - c0,
         "mean_batch": mean_batch,
         "cpu_us_per_frame": us,
+        "cpu_detail_per_frame": detail,
         "cpu_pct": r.cpu_pct,
         "model_at_mean_batch": model_at_mean,
         "model_at_n": model_at_n,
@@ -179,6 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{fmt(us['worker'], '.0f')}, model alone at B={b} {model_us:.0f} (at B={args.sessions}: "
         f"{model_at_n['cpu_us_per_frame']:.0f}); load generator {fmt(us['generator'], '.0f')}"
     )
+    for name in ("session", "worker", "generator"):
+        d = detail.get(name)
+        if d is not None:
+            print(
+                f"    {name}: {d['user_us']:.0f} µs in user space (Python, gRPC, protobuf), "
+                f"{d['kernel_us']:.0f} µs in the kernel, {d['switches']:.1f} context switches "
+                "per session-frame"
+            )
     if us["session"] is not None and us["worker"] is not None:
         print(
             f"  ratios to the model at the same batch: session {us['session'] / model_us:.1f}x, "
@@ -200,6 +210,26 @@ def main(argv: list[str] | None = None) -> int:
         )
     write_result(args.json, "tiers", result)
     return 0
+
+
+def per_frame_detail(
+    detail: dict[str, dict[str, float] | None], frames: float
+) -> dict[str, dict[str, float] | None]:
+    """``CpuMeter.detail`` per session-frame: ``user_us``, ``kernel_us`` and ``switches``. Where a
+    tier's CPU goes that no Python profiler sees: the kernel (syscalls, loopback TCP, scheduling)
+    and the hand-offs between gRPC's threads and the event loop."""
+    out: dict[str, dict[str, float] | None] = {}
+    for name, d in detail.items():
+        out[name] = (
+            None
+            if d is None or frames <= 0
+            else {
+                "user_us": 1e6 * d["user_s"] / frames,
+                "kernel_us": 1e6 * d["system_s"] / frames,
+                "switches": d["switches"] / frames,
+            }
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -5,17 +5,36 @@ started: the benchmarks' figures are for reading, never thresholds."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from benchmarks import _load, _profile, _sys, capacity, loadgen, report, run
+from benchmarks import _load, _profile, _sys, capacity, loadgen, report, run, tiers
 
 
 def test_proc_stat_cpu_counts_fields_after_the_command_name():
     # utime 250 and stime 50 ticks; the command name holds spaces and parentheses.
     stat = "4242 (python (my) thing) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 7 0 100 0"
     assert _sys.parse_stat_cpu(stat, 100) == pytest.approx(3.0)
+
+
+def test_proc_times_split_user_and_kernel_and_count_switches():
+    stat = "4242 (python (my) thing) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 7 0 100 0"
+    assert _sys.parse_stat_times(stat, 100) == pytest.approx((2.5, 0.5))
+    status = "Name:\tpython\nvoluntary_ctxt_switches:\t120\nnonvoluntary_ctxt_switches:\t7\n"
+    assert _sys.parse_status_switches(status) == 127
+    here = _sys.proc_detail(os.getpid())
+    assert here is not None and here["user_s"] > 0 and here["switches"] >= 1
+    assert _sys.proc_detail(2**31 - 1) is None
+
+
+def test_tiers_detail_is_per_session_frame():
+    detail = {"session": {"user_s": 0.5, "system_s": 0.25, "switches": 11000.0}, "worker": None}
+    per = tiers.per_frame_detail(detail, 1000.0)
+    assert per["session"] == pytest.approx({"user_us": 500.0, "kernel_us": 250.0, "switches": 11.0})
+    assert per["worker"] is None
+    assert tiers.per_frame_detail(detail, 0.0)["session"] is None  # nothing measured is no figure
 
 
 def test_cpu_seconds_of_this_process_and_of_none():
@@ -310,6 +329,11 @@ def _sections():
             "reply_per_input": 0.95,
             "mean_batch": 1.2,
             "cpu_us_per_frame": {"session": 700.0, "worker": 1000.0, "generator": 400.0},
+            "cpu_detail_per_frame": {
+                "session": {"user_us": 500.0, "kernel_us": 200.0, "switches": 11.25},
+                "worker": None,
+                "generator": {"user_us": 300.0, "kernel_us": 100.0, "switches": 8.0},
+            },
             "model_at_mean_batch": {"batch": 1, "cpu_us_per_frame": 400.0},
             "model_at_n": {"batch": 32, "cpu_us_per_frame": 60.0},
             "held_real_time": True,
@@ -453,6 +477,12 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     assert latest["session_cpu_us_per_frame"] == 700.0
     assert latest["session_cpu_us_per_frame_separate_acks"] == 810.0
     assert "| session service | 700 | 810 |" in md
+    # Where the tiers' CPU goes: user space, the kernel, context switches (a process not measured
+    # has no row, rather than zeros).
+    assert "| session service | 500 | 200 | 11.2 |" in md
+    assert "| load generator (client) | 300 | 100 | 8.0 |" in md
+    assert "| worker | 1000 |" in md and "| worker | —" not in md
+    assert latest["session_kernel_us_per_frame"] == 200.0 and latest["session_switches_per_frame"] == 11.25
     for png in ("capacity.png", "tiers.png", "hop.png", "e2e.png", "model_steps.png"):
         path = paths["plots"] / png
         assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 150_000
