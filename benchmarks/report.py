@@ -101,7 +101,11 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
         "tiers_held_real_time": _get(tiers, "held_real_time"),
         "session_kernel_us_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "kernel_us"),
         "session_switches_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "switches"),
+        "grpc_echo_us_per_pair": _get(tiers, "grpc_echo", "cpu_us_per_pair"),
     }
+    e = h["grpc_echo_us_per_pair"]
+    s_ = h["session_cpu_us_per_frame"]
+    h["session_over_grpc_echo"] = s_ / e if s_ and e else None
     s, m = h["session_cpu_us_per_frame"], h["model_cpu_us_per_frame"]
     h["session_over_model"] = s / m if s and m else None
     w = h["worker_cpu_us_per_frame"]
@@ -422,7 +426,9 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
         "its ack and its reply frame. CPU from /proc (user + system, all threads) over the frames "
         f"acknowledged in the window ({t['frames']:,.0f}; {t['reply_per_input']:.2f} reply frames per input "
         f"frame). The worker stepped a mean batch of {t['mean_batch']:.1f}; the model alone is the parrot "
-        "in a plain loop at that batch (no engine, no gRPC). The load "
+        "in a plain loop at that batch (no engine, no gRPC). The bare gRPC echo is the transport's floor: "
+        "a server that only reads and writes back one 1 KiB message per stream per frame period, for as "
+        "many streams (what a session-frame costs on the client side before any serving logic). The load "
         + (
             "held real time."
             if t["held_real_time"]
@@ -443,17 +449,24 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
         ],
         [f"model alone, B={m['batch']}", f(m["cpu_us_per_frame"], ".0f"), "1x"],
         [f"model alone, B={t['model_at_n']['batch']}", f(t["model_at_n"]["cpu_us_per_frame"], ".0f"), "—"],
+        [
+            "bare gRPC echo, same message rate (per message pair)",
+            f(_get(t, "grpc_echo", "cpu_us_per_pair"), ".0f"),
+            "—",
+        ],
         ["load generator (client)", f(us.get("generator"), ".0f"), "—"],
     ]
     add(_table(["process", "CPU µs per session-frame", "over the model"], rows))
     add("")
     detail = t.get("cpu_detail_per_frame") or {}
+    echo = t.get("grpc_echo")
     drows = [
         [label, f(d["user_us"], ".0f"), f(d["kernel_us"], ".0f"), f(d["switches"], ".1f")]
         for label, d in (
             ("session service", detail.get("session")),
             ("worker", detail.get("worker")),
             ("load generator (client)", detail.get("generator")),
+            ("bare gRPC echo (per message pair)", echo),
         )
         if d is not None
     ]

@@ -16,8 +16,10 @@ time): the session service's and the worker's CPU seconds over the session-frame
 the window, in µs per frame; the reply frames per input frame that came back; the generator's CPU.
 The worker's mean batch size over the window is read from its ``duplex_worker_batch_size``
 histogram, and the model's own CPU µs per frame is then measured at that batch size in a plain
-loop (``benchmarks.model_steps``: no engine, no gRPC), after the stack has stopped. The ratios
-(session / model, worker / model) are what carries over to other machines.
+loop (``benchmarks.model_steps``: no engine, no gRPC), after the stack has stopped; so is the
+transport's floor, a bare grpc.aio echo at the client side's message rate (``benchmarks.grpc_echo``).
+The ratios (session / model, worker / model, session / echo) are what carries over to other
+machines. Each tier's CPU is also split into user space, kernel and context switches.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import grpc_echo
 from benchmarks._load import Criteria, LoadSpec, judge, run_load, step_row
 from benchmarks._services import histogram_sum_count, scrape, stack
 from benchmarks._sys import FRAME_MS, NoMeasurement, fail, fmt, write_result
@@ -148,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             loop = ParrotLoop(resolve_device(args.device))
             model_at_mean = loop.measure(b, seconds=1.0)
             model_at_n = loop.measure(args.sessions, seconds=1.0)
+        # The transport's floor beside the model's: a bare grpc.aio echo at the client side's
+        # message rate (one message in and one out per session-frame), after the stack stopped.
+        echo = grpc_echo.measure(args.sessions, args.append_ms, seconds=min(5.0, args.seconds))
     except NoMeasurement as exc:
         return fail(str(exc))
     result: dict[str, Any] = {
@@ -165,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_pct": r.cpu_pct,
         "model_at_mean_batch": model_at_mean,
         "model_at_n": model_at_n,
+        "grpc_echo": echo,
         "held_real_time": not why,
         "why": why,
         "load": row,
@@ -189,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{d['kernel_us']:.0f} µs in the kernel, {d['switches']:.1f} context switches "
                 "per session-frame"
             )
+    print(
+        f"  a bare gRPC echo at the same message rate: {echo['cpu_us_per_pair']:.0f} µs per message pair "
+        f"({echo['user_us']:.0f} user, {echo['kernel_us']:.0f} kernel, "
+        f"{echo['switches']:.1f} context switches)"
+        + (
+            f"; the session service is {us['session'] / echo['cpu_us_per_pair']:.1f}x that"
+            if us["session"] is not None
+            else ""
+        )
+    )
     if us["session"] is not None and us["worker"] is not None:
         print(
             f"  ratios to the model at the same batch: session {us['session'] / model_us:.1f}x, "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _load, _profile, _sys, capacity, loadgen, report, run, tiers
+from benchmarks import _load, _profile, _sys, capacity, grpc_echo, loadgen, report, run, tiers
 
 
 def test_proc_stat_cpu_counts_fields_after_the_command_name():
@@ -35,6 +35,17 @@ def test_tiers_detail_is_per_session_frame():
     assert per["session"] == pytest.approx({"user_us": 500.0, "kernel_us": 250.0, "switches": 11.0})
     assert per["worker"] is None
     assert tiers.per_frame_detail(detail, 0.0)["session"] is None  # nothing measured is no figure
+
+
+def test_grpc_echo_floor_is_per_message_pair_and_refuses_an_empty_window():
+    d0 = {"user_s": 1.0, "system_s": 0.5, "switches": 100.0}
+    d1 = {"user_s": 1.2, "system_s": 0.6, "switches": 900.0}
+    r = grpc_echo.per_pair(d0, d1, 1000.0)
+    assert r == pytest.approx(
+        {"cpu_us_per_pair": 300.0, "user_us": 200.0, "kernel_us": 100.0, "switches": 0.8}
+    )
+    with pytest.raises(_sys.NoMeasurement):
+        grpc_echo.per_pair(d0, d1, 0.0)
 
 
 def test_cpu_seconds_of_this_process_and_of_none():
@@ -336,6 +347,7 @@ def _sections():
             },
             "model_at_mean_batch": {"batch": 1, "cpu_us_per_frame": 400.0},
             "model_at_n": {"batch": 32, "cpu_us_per_frame": 60.0},
+            "grpc_echo": {"cpu_us_per_pair": 175.0, "user_us": 85.0, "kernel_us": 90.0, "switches": 8.0},
             "held_real_time": True,
             "why": [],
             "separate_acks": False,
@@ -483,6 +495,10 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     assert "| load generator (client) | 300 | 100 | 8.0 |" in md
     assert "| worker | 1000 |" in md and "| worker | —" not in md
     assert latest["session_kernel_us_per_frame"] == 200.0 and latest["session_switches_per_frame"] == 11.25
+    # The transport's floor beside the model's.
+    assert "| bare gRPC echo, same message rate (per message pair) | 175 |" in md
+    assert "| bare gRPC echo (per message pair) | 85 | 90 | 8.0 |" in md
+    assert latest["grpc_echo_us_per_pair"] == 175.0 and latest["session_over_grpc_echo"] == pytest.approx(4.0)
     for png in ("capacity.png", "tiers.png", "hop.png", "e2e.png", "model_steps.png"):
         path = paths["plots"] / png
         assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 150_000
