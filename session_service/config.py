@@ -35,7 +35,8 @@ class RunnerConfig:
     """How long a session whose stream ended without ``close`` waits for a resume before it is
     closed for good (capacity comes back; its token is then dead)."""
     submit_timeout_s: float = 5.0
-    """How long an append waits for its submission to be written to the worker stream."""
+    """How long an append waits for its submission to be written to the worker stream (looked at
+    about once a second, not timed per append: it fails within a second after)."""
     max_silence_frames: int = 940
     """Silence frames fed per response at most (about 30 s of 32 ms frames)."""
     silence_continuation: bool = True
