@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import select
 import subprocess
 import sys
 import time
@@ -27,6 +28,8 @@ from benchmarks._sys import NoMeasurement, fail, proc_detail, write_result
 from duplex.serving import CHANNEL_OPTIONS, SERVER_OPTIONS
 
 METHOD = "/benchmark.Echo/Echo"
+START_TIMEOUT_S = 30.0
+"""How long the server process may take to say it is listening."""
 PAYLOAD_BYTES = 1024
 """One 32 ms frame of 16 kHz 16-bit PCM, as an append and a reply frame carry."""
 
@@ -101,9 +104,10 @@ def measure(streams: int, period_ms: float, seconds: float, warmup_s: float = 1.
     )
     try:
         assert proc.stdout is not None and proc.stdin is not None
-        line = proc.stdout.readline()
+        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+        line = proc.stdout.readline() if ready else ""
         if not line:
-            raise NoMeasurement("the echo server did not start")
+            raise NoMeasurement(f"the echo server did not start within {START_TIMEOUT_S:g} s")
         port = int(json.loads(line)["port"])
         marks: dict[str, Any] = {}
 
@@ -124,7 +128,10 @@ def measure(streams: int, period_ms: float, seconds: float, warmup_s: float = 1.
             await watcher
             return got
 
-        echoed = asyncio.run(run())
+        try:
+            echoed = asyncio.run(run())
+        except grpc.RpcError as exc:  # the server went away mid-run
+            raise NoMeasurement(f"the echo stream failed ({type(exc).__name__})") from exc
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
