@@ -16,10 +16,9 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import IO
 
-from duplex.stack import LocalStack
+from duplex.stack import Child, LocalStack
 
 PLUGINS = {
     "parrot": "session_service.plugins.parrot:ParrotPlugin",
@@ -83,19 +82,8 @@ def show_log(log: IO[str], name: str, limit: int = 4000) -> None:
             sys.stderr.write(f"--- service logs ({name}) ---\n{tail}\n")
 
 
-@dataclass
-class LoneWorker:
-    proc: subprocess.Popen[str]
-    grpc: str
-    metrics: str
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-
 @contextlib.contextmanager
-def lone_worker(model: str, flags: list[str], *, timeout_s: float = 90.0) -> Iterator[LoneWorker]:
+def lone_worker(model: str, flags: list[str], *, timeout_s: float = 90.0) -> Iterator[Child]:
     """``duplex worker`` alone (no session service), stopped by its pid afterwards."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
@@ -138,7 +126,7 @@ def lone_worker(model: str, flags: list[str], *, timeout_s: float = 90.0) -> Ite
                 proc.stdout.close()
 
 
-def _announce(proc: subprocess.Popen[str], timeout_s: float) -> LoneWorker:
+def _announce(proc: subprocess.Popen[str], timeout_s: float) -> Child:
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -150,7 +138,7 @@ def _announce(proc: subprocess.Popen[str], timeout_s: float) -> LoneWorker:
             with contextlib.suppress(json.JSONDecodeError):
                 msg = json.loads(line)
                 if isinstance(msg, dict) and msg.get("event") == "listening":
-                    return LoneWorker(proc, str(msg["grpc"]), str(msg.get("metrics", "")))
+                    return Child("worker", proc, str(msg["grpc"]), str(msg.get("metrics", "")))
         elif proc.poll() is not None:
             raise RuntimeError(f"the worker exited with {proc.returncode} while starting")
     raise RuntimeError(f"the worker did not start within {timeout_s:g} s")
