@@ -7,7 +7,9 @@ No engine, no gRPC, no queues: ``ParrotModel.step`` called again and again on on
 B requests, each with an input frame (low noise; the batched Silero VAD runs on every row) and a
 reply playing (every request emits one reply frame per step) -- a frame with its reply frame, the
 model's whole share of one session-frame. Under ``torch.inference_mode()``, with ``--torch-threads``
-intra-op threads, as the worker's engine thread runs it. Per B: wall ms per step (on CUDA the step
+intra-op threads, as the worker's engine thread runs it. The reply itself (the pitch-shifted
+utterance) is computed once per turn on the parrot's helper threads, off the step: that share is
+measured apart, by ``ParrotLoop.reply_synthesis``. Per B: wall ms per step (on CUDA the step
 ends with the VAD probabilities copied to the host, which waits for the device), process CPU µs
 per frame, frames/s. Then the largest B that fits 32 ms is narrowed by bisection between the
 last batch that fits and the first that does not.
@@ -23,8 +25,10 @@ import numpy as np
 import torch
 
 from benchmarks._sys import FRAME_MS, NoMeasurement, fail, ints, write_result
+from duplex.audio import encode
 from worker_service.model import StepBatch
 from worker_service.models import create_model
+from worker_service.models.parrot import parrot_reply
 from worker_service.server import resolve_device
 
 FRAME = 512
@@ -79,6 +83,29 @@ class ParrotLoop:
             "cpu_us_per_frame": 1e6 * cpu / (steps * batch),
             "wall_us_per_frame": 1e6 * wall / (steps * batch),
             "frames_per_s": steps * batch / wall,
+        }
+
+    def reply_synthesis(self, frames: int, *, seconds: float, min_replies: int = 5) -> dict[str, float]:
+        """CPU µs per reply frame of computing a reply to an utterance of ``frames`` frames, as
+        ``ParrotModel.respond`` does on its helper threads: the pitch shift, then the encoding.
+        Its cost grows with the utterance, so it is per frame of reply."""
+        if frames <= 0:
+            raise NoMeasurement("reply synthesis: no utterance to reply to")
+        utterance = (self.rng.standard_normal(frames * FRAME) * 0.1).astype(np.float32)
+        pitch = self.model.defaults.pitch_semitones
+        fmt = self.model.audio_format
+        encode(parrot_reply(utterance, pitch), fmt)  # warm-up
+        replies = 0
+        c0, t0 = time.process_time(), time.perf_counter()
+        while replies < min_replies or time.perf_counter() - t0 < seconds:
+            encode(parrot_reply(utterance, pitch), fmt)
+            replies += 1
+        cpu = time.process_time() - c0
+        return {
+            "utterance_frames": frames,
+            "replies": replies,
+            "ms_per_reply": 1000.0 * cpu / replies,
+            "cpu_us_per_reply_frame": 1e6 * cpu / (replies * frames),
         }
 
     def _replying(self, st: Any) -> None:

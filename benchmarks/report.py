@@ -44,7 +44,15 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
     ),
     ("worker_cpu_us_per_frame", "worker CPU per session-frame", "µs", None, -1),
     ("model_cpu_us_per_frame", "model alone CPU per frame, same batch", "µs", None, -1),
+    (
+        "model_reply_us_per_frame",
+        "model's reply synthesis per session-frame (helper threads, once per turn)",
+        "µs",
+        None,
+        -1,
+    ),
     ("session_over_model", "session service / model CPU per frame", "x", None, -1),
+    ("worker_over_model_whole", "worker / the model's whole share (step and reply synthesis)", "x", None, -1),
     ("batching_gain", "capacity with batching / --max-batch 1", "x", 4, +1),
     ("hop_p99_ms_64", "hop latency p99, 64 sessions", "ms", 5, -1),
     ("e2e_ratio_parrot_b64", "end-to-end / model alone, parrot B=64", "ratio", 0.3, +1),
@@ -97,6 +105,7 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
         ),
         "worker_cpu_us_per_frame": _get(tiers, "cpu_us_per_frame", "worker"),
         "model_cpu_us_per_frame": _get(tiers, "model_at_mean_batch", "cpu_us_per_frame"),
+        "model_reply_us_per_frame": _get(tiers, "model_reply_us_per_frame"),
         "tiers_mean_batch": _get(tiers, "mean_batch"),
         "tiers_held_real_time": _get(tiers, "held_real_time"),
         "session_kernel_us_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "kernel_us"),
@@ -110,6 +119,8 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
     h["session_over_model"] = s / m if s and m else None
     w = h["worker_cpu_us_per_frame"]
     h["worker_over_model"] = w / m if w and m else None
+    r = h["model_reply_us_per_frame"]
+    h["worker_over_model_whole"] = w / (m + r) if w and m and r is not None else None
     for row in _get(sections, "hop_latency", "rows") or []:
         h[f"hop_p50_ms_{row['sessions']}"] = _get(row, "hop_ms", "p50")
         h[f"hop_p99_ms_{row['sessions']}"] = _get(row, "hop_ms", "p99")
@@ -426,9 +437,12 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
         "its ack and its reply frame. CPU from /proc (user + system, all threads) over the frames "
         f"acknowledged in the window ({t['frames']:,.0f}; {t['reply_per_input']:.2f} reply frames per input "
         f"frame). The worker stepped a mean batch of {t['mean_batch']:.1f}; the model alone is the parrot "
-        "in a plain loop at that batch (no engine, no gRPC). The bare gRPC echo is the transport's floor: "
-        "a server that only reads and writes back one 1 KiB message per stream per frame period, for as "
-        "many streams (what a session-frame costs on the client side before any serving logic). The load "
+        "in a plain loop at that batch (no engine, no gRPC), plus its reply synthesis: each reply is "
+        "computed once per turn on the parrot's helper threads, measured apart per reply frame and "
+        "counted at the reply frames per input frame that came back. The bare gRPC echo is the "
+        "transport's floor: a server that only reads and writes back one 1 KiB message per stream "
+        "per frame period, for as many streams (what a session-frame costs on the client side before "
+        "any serving logic). The load "
         + (
             "held real time."
             if t["held_real_time"]
@@ -436,18 +450,26 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
         )
         + "\n"
     )
+    reply = t.get("model_reply_us_per_frame")
+    whole = m["cpu_us_per_frame"] + (reply or 0.0)
     rows = [
         [
             "session service",
             f(us.get("session"), ".0f"),
-            f(us.get("session") / m["cpu_us_per_frame"] if us.get("session") else None, ".1f") + "x",
+            f(us.get("session") / whole if us.get("session") else None, ".1f") + "x",
         ],
         [
             "worker",
             f(us.get("worker"), ".0f"),
-            f(us.get("worker") / m["cpu_us_per_frame"] if us.get("worker") else None, ".1f") + "x",
+            f(us.get("worker") / whole if us.get("worker") else None, ".1f") + "x",
         ],
-        [f"model alone, B={m['batch']}", f(m["cpu_us_per_frame"], ".0f"), "1x"],
+        [f"model alone, B={m['batch']}: its step", f(m["cpu_us_per_frame"], ".0f"), "—"],
+        [
+            "model alone: its reply synthesis (helper threads, once per turn)",
+            f(reply, ".0f"),
+            "—",
+        ],
+        ["model alone: its whole share", f(whole, ".0f"), "1x"],
         [f"model alone, B={t['model_at_n']['batch']}", f(t["model_at_n"]["cpu_us_per_frame"], ".0f"), "—"],
         [
             "bare gRPC echo, same message rate (per message pair)",
@@ -456,7 +478,7 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
         ],
         ["load generator (client)", f(us.get("generator"), ".0f"), "—"],
     ]
-    add(_table(["process", "CPU µs per session-frame", "over the model"], rows))
+    add(_table(["process", "CPU µs per session-frame", "over the model's whole share"], rows))
     add("")
     detail = t.get("cpu_detail_per_frame") or {}
     echo = t.get("grpc_echo")
@@ -747,13 +769,13 @@ def plot_all(latest: dict[str, Any], dest: Path) -> dict[str, Path]:
         labels = [
             "session service",
             "worker",
-            f"model alone B={tiers['model_at_mean_batch']['batch']}",
+            f"model alone B={tiers['model_at_mean_batch']['batch']} (with replies)",
             "load generator",
         ]
         values = [
             us.get("session") or 0,
             us.get("worker") or 0,
-            tiers["model_at_mean_batch"]["cpu_us_per_frame"],
+            tiers["model_at_mean_batch"]["cpu_us_per_frame"] + (tiers.get("model_reply_us_per_frame") or 0),
             us.get("generator") or 0,
         ]
         fig, ax = plt.subplots(figsize=(7, 2.8))

@@ -16,8 +16,10 @@ time): the session service's and the worker's CPU seconds over the session-frame
 the window, in µs per frame; the reply frames per input frame that came back; the generator's CPU.
 The worker's mean batch size over the window is read from its ``duplex_worker_batch_size``
 histogram, and the model's own CPU µs per frame is then measured at that batch size in a plain
-loop (``benchmarks.model_steps``: no engine, no gRPC), after the stack has stopped; so is the
-transport's floor, a bare grpc.aio echo at the client side's message rate (``benchmarks.grpc_echo``).
+loop (``benchmarks.model_steps``: no engine, no gRPC), after the stack has stopped, beside the
+model's other share: computing each reply (once per turn, on its helper threads), per reply frame
+times the reply frames per input frame; so is the transport's floor, a bare grpc.aio echo at the
+client side's message rate (``benchmarks.grpc_echo``).
 The ratios (session / model, worker / model, session / echo) are what carries over to other
 machines. Each tier's CPU is also split into user space, kernel and context switches.
 """
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             loop = ParrotLoop(resolve_device(args.device))
             model_at_mean = loop.measure(b, seconds=1.0)
             model_at_n = loop.measure(args.sessions, seconds=1.0)
+            # The model's other share: each reply computed once per turn on its helper threads
+            # (the load commits every `cycle` frames, so that is the utterance replied to).
+            synthesis = loop.reply_synthesis(spec.cycle, seconds=0.5)
         # The transport's floor beside the model's: a bare grpc.aio echo at the client side's
         # message rate (one message in and one out per session-frame), after the stack stopped.
         echo = grpc_echo.measure(args.sessions, args.append_ms, seconds=min(5.0, args.seconds))
@@ -171,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_pct": r.cpu_pct,
         "model_at_mean_batch": model_at_mean,
         "model_at_n": model_at_n,
+        "reply_synthesis": synthesis,
+        "model_reply_us_per_frame": synthesis["cpu_us_per_reply_frame"] * m["reply_frames"] / frames,
         "grpc_echo": echo,
         "held_real_time": not why,
         "why": why,
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "separate_acks_compared": compared,
     }
     model_us = model_at_mean["cpu_us_per_frame"]
+    reply_us = result["model_reply_us_per_frame"]
     print(
         f"  {frames:,.0f} session-frames in {m['window_s']:g} s ({frames / m['window_s']:,.0f}/s), "
         f"{result['reply_per_input']:.2f} reply frames per input frame, mean batch {mean_batch:.1f} "
@@ -187,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         f"  CPU µs per session-frame: session service {fmt(us['session'], '.0f')}, worker "
         f"{fmt(us['worker'], '.0f')}, model alone at B={b} {model_us:.0f} (at B={args.sessions}: "
         f"{model_at_n['cpu_us_per_frame']:.0f}); load generator {fmt(us['generator'], '.0f')}"
+    )
+    print(
+        f"  the model's reply synthesis (helper threads, once per turn): {synthesis['ms_per_reply']:.2f} ms "
+        f"per {spec.cycle}-frame reply, {reply_us:.0f} µs per session-frame at "
+        f"{result['reply_per_input']:.2f} reply frames per input; the model's whole share "
+        f"{model_us + reply_us:.0f} µs"
     )
     for name in ("session", "worker", "generator"):
         d = detail.get(name)
@@ -209,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if us["session"] is not None and us["worker"] is not None:
         print(
             f"  ratios to the model at the same batch: session {us['session'] / model_us:.1f}x, "
-            f"worker {us['worker'] / model_us:.1f}x"
+            f"worker {us['worker'] / model_us:.1f}x ({us['worker'] / (model_us + reply_us):.1f}x the model's "
+            "whole share, reply synthesis included)"
         )
     print(
         "  the load "

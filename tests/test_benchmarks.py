@@ -48,6 +48,19 @@ def test_grpc_echo_floor_is_per_message_pair_and_refuses_an_empty_window():
         grpc_echo.per_pair(d0, d1, 0.0)
 
 
+def test_reply_synthesis_is_per_reply_frame_and_refuses_no_utterance():
+    import torch
+
+    from benchmarks.model_steps import ParrotLoop
+
+    loop = ParrotLoop(torch.device("cpu"))
+    r = loop.reply_synthesis(8, seconds=0.0, min_replies=2)
+    assert r["utterance_frames"] == 8 and r["replies"] >= 2 and r["ms_per_reply"] > 0
+    assert r["cpu_us_per_reply_frame"] == pytest.approx(1000.0 * r["ms_per_reply"] / 8)
+    with pytest.raises(_sys.NoMeasurement, match="no utterance"):
+        loop.reply_synthesis(0, seconds=0.0)
+
+
 def test_cpu_seconds_of_this_process_and_of_none():
     assert _sys.cpu_seconds() is not None
     assert _sys.cpu_seconds(2**31 - 1) is None
@@ -347,6 +360,13 @@ def _sections():
             },
             "model_at_mean_batch": {"batch": 1, "cpu_us_per_frame": 400.0},
             "model_at_n": {"batch": 32, "cpu_us_per_frame": 60.0},
+            "reply_synthesis": {
+                "utterance_frames": 32,
+                "replies": 9,
+                "ms_per_reply": 3.2,
+                "cpu_us_per_reply_frame": 105.0,
+            },
+            "model_reply_us_per_frame": 100.0,
             "grpc_echo": {"cpu_us_per_pair": 175.0, "user_us": 85.0, "kernel_us": 90.0, "switches": 8.0},
             "held_real_time": True,
             "why": [],
@@ -425,6 +445,9 @@ def test_headline_figures_and_targets():
     assert h["session_cpu_us_per_frame"] == 700.0
     assert h["model_cpu_us_per_frame"] == 400.0
     assert h["session_over_model"] == pytest.approx(1.75)
+    # The model's whole share counts its reply synthesis (helper threads) beside its step.
+    assert h["model_reply_us_per_frame"] == 100.0
+    assert h["worker_over_model_whole"] == pytest.approx(2.0)
     assert h["hop_p99_ms_64"] == 9.0
     assert h["e2e_ratio_parrot_b64"] == 0.4
     assert h["batching_gain"] == 3.0
@@ -493,7 +516,9 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     # has no row, rather than zeros).
     assert "| session service | 500 | 200 | 11.2 |" in md
     assert "| load generator (client) | 300 | 100 | 8.0 |" in md
-    assert "| worker | 1000 |" in md and "| worker | —" not in md
+    assert "| worker | 1000 | 2.0x |" in md and "| worker | —" not in md
+    assert "| model alone: its reply synthesis (helper threads, once per turn) | 100 | — |" in md
+    assert "| model alone: its whole share | 500 | 1x |" in md
     assert latest["session_kernel_us_per_frame"] == 200.0 and latest["session_switches_per_frame"] == 11.25
     # The transport's floor beside the model's.
     assert "| bare gRPC echo, same message rate (per message pair) | 175 |" in md
