@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--model", default="parrot")
     p.add_argument("--json", default="")
+    p.add_argument("--worker-args", default="", help="extra flags of the worker, e.g. --step-interval-ms 8")
     args = p.parse_args(argv)
     rows = []
     print(
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        with lone_worker(args.model, worker_flags(device=args.device, torch_threads=args.torch_threads)) as w:
+        flags = worker_flags(device=args.device, torch_threads=args.torch_threads) + args.worker_args.split()
+        with lone_worker(args.model, flags) as w:
             for i, s in enumerate(ints(args.sessions)):
                 meter = CpuMeter({"worker": w.pid, "client": None})
                 meter.start()

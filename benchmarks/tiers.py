@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the second window with an input_ack event per append",
     )
     p.add_argument("--session-args", default="", help="extra flags of the session service (compare settings)")
+    p.add_argument("--worker-args", default="", help="extra flags of the worker, e.g. --step-interval-ms 16")
     args = p.parse_args(argv)
     print(
         f"tiers: {args.sessions} parrot sessions, duplex load at real time ({args.append_ms} ms appends), "
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             torch_threads=args.torch_threads,
             session_args=args.session_args.split(),
+            worker_args=args.worker_args.split(),
         ) as st:
             assert st.session is not None
             worker = st.worker_children[0]

@@ -1,9 +1,10 @@
 """The engine and its failure modes, with small fake models: fairness, per-request model errors,
-legacy outputs that fail closed, and a fatal engine crash."""
+legacy outputs that fail closed, a fatal engine crash, and the step interval."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from prometheus_client import REGISTRY
 from duplex.audio import PCM16K_MONO
 from duplex.fence import Fence
 from tests.worker_helpers import APPEND, COMMIT, FRAME, RESPOND, RunClient, error_codes, pcm, sub, worker
+from worker_service.cli import build_parser, config_from_args
+from worker_service.config import WorkerConfig
 from worker_service.engine import Engine, Enqueue, OwnerStep, QueueCounter, Work
 from worker_service.model import RequestNews, StepBatch, StepModel, StepResult
 from worker_service.models.synthetic import SyntheticModel
@@ -181,3 +184,90 @@ async def test_synthetic_model_replies_sparsely() -> None:
 
 def _fail_closed(cause: str) -> float:
     return REGISTRY.get_sample_value("duplex_sparse_fail_closed_total", {"cause": cause}) or 0.0
+
+
+class _Steps:
+    """A sink recording, in order and with the time it came, each step's requests and each update
+    that came apart from a step."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, list[str]]] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, items: list[tuple[str, OwnerStep]]) -> None:
+        now = time.monotonic()
+        with self.cond:
+            for _, step in items:
+                if step.step:
+                    self.events.append((now, "step", [rid for rid, _ in step.batch]))
+                for u in step.updates:
+                    if u.error is not None:
+                        self.events.append((now, "error", [u.request_id]))
+            self.cond.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 10.0) -> list[tuple[float, str, list[str]]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.events) >= n, timeout), self.events
+            return list(self.events)
+
+
+def _append(i: int, frames: int = 1) -> Enqueue:
+    pcm_frames = np.zeros((frames, FRAME), np.float32)
+    work = Work(APPEND, Fence(f"s{i}", 1, 0), "o", f"r{i}", seq=1, frames=pcm_frames)
+    return Enqueue(work, QueueCounter())
+
+
+def test_step_interval_gathers_the_inputs_that_arrive_within_it_into_one_step() -> None:
+    steps = _Steps()
+    engine = Engine(FakeModel, sink=steps, max_batch=8, step_interval_s=0.5)
+    engine.start()
+    try:
+        engine.submit([_append(0)])
+        steps.wait_for(1)  # the first step starts at once: no step before it
+        for i in (1, 2, 3):
+            time.sleep(0.03)  # without the interval, each would take a step of its own
+            engine.submit([_append(i)])
+        events = steps.wait_for(2)
+    finally:
+        engine.stop()
+    assert [(kind, rids) for _, kind, rids in events] == [("step", ["r0"]), ("step", ["r1", "r2", "r3"])]
+    assert events[1][0] - events[0][0] >= 0.45  # the second waited out the interval
+
+
+class _NoState(FakeModel):
+    def create_state(self, session_id: str) -> _St:
+        if session_id == "s9":
+            raise RuntimeError("no state for this one")
+        return _St(session_id)
+
+
+def test_commands_are_applied_during_the_step_interval_and_a_full_batch_steps_at_once() -> None:
+    steps = _Steps()
+    engine = Engine(_NoState, sink=steps, max_batch=2, step_interval_s=3.0)
+    engine.start()
+    try:
+        engine.submit([_append(0)])
+        steps.wait_for(1)
+        engine.submit([_append(1)])  # waits for the interval...
+        engine.submit([_append(9)])  # ...but this command is applied now: its error comes at once
+        events = steps.wait_for(2)
+        assert [(kind, rids) for _, kind, rids in events[1:]] == [("error", ["r9"])]
+        assert events[1][0] - events[0][0] < 3.0
+        engine.submit([_append(2)])  # r1 and r2 runnable: max_batch, no more waiting
+        events = steps.wait_for(3)
+    finally:
+        engine.stop()
+    assert [(kind, rids) for _, kind, rids in events[2:]] == [("step", ["r1", "r2"])]
+    assert events[2][0] - events[0][0] < 3.0
+
+
+def test_step_interval_is_bounded_in_the_config() -> None:
+    assert WorkerConfig().step_interval_ms == 0.0
+    args = build_parser().parse_args(["--step-interval-ms", "8"])
+    assert config_from_args(args).step_interval_ms == 8.0
+    assert WorkerConfig(step_interval_ms=16.0).step_interval_ms == 16.0
+    for bad in (-1.0, 1000.5, float("nan")):
+        with pytest.raises(ValueError, match="step_interval_ms"):
+            WorkerConfig(step_interval_ms=bad)
+    with pytest.raises(ValueError, match="step_interval_s"):
+        Engine(FakeModel, sink=lambda items: None, step_interval_s=-0.1)

@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda[:i]")
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument(
+        "--step-interval-ms",
+        type=float,
+        default=0.0,
+        help="least time between the starts of two model steps: inputs arriving within it share "
+        "one step (larger batches, less CPU per frame, up to this much more latency); 0 = step as "
+        "soon as any input is queued (default)",
+    )
+    p.add_argument(
         "--max-sessions",
         type=int,
         default=DEFAULT_MAX_SESSIONS,
@@ -175,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         metrics_port=args.metrics_port,
         device=args.device,
         max_batch=args.max_batch,
+        step_interval_ms=args.step_interval_ms,
         max_sessions=args.max_sessions,
         max_queued_frames=args.max_queued_frames,
         drain_grace_s=args.drain_grace_s,

@@ -30,6 +30,10 @@ def _worker_id() -> str:
     return "worker-" + uuid.uuid4().hex[:8]
 
 
+#: The longest step interval accepted: a session's frames must still be stepped near real time.
+MAX_STEP_INTERVAL_MS = 1000.0
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """Everything a worker process needs to start; model-specific knobs live in ``model_options``."""
@@ -46,6 +50,12 @@ class WorkerConfig:
     """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
     max_batch: int = 256
     """Most requests stepped in one model step; more are served round-robin."""
+    step_interval_ms: float = 0.0
+    """Least time between the starts of two model steps (0 = step as soon as any input is
+    queued). Inputs arriving within it share one step: larger batches and less CPU per frame
+    under partial load, for up to this much more latency per hop. ``max_batch`` runnable
+    requests step at once. A model that steps replies without input (not lockstep) then
+    generates at most one frame per request per interval."""
     max_sessions: int = DEFAULT_MAX_SESSIONS
     """Most sessions attached at once (0 = unbounded); an Attach beyond it is refused with
     RESOURCE_EXHAUSTED ``capacity_exhausted`` (retryable)."""
@@ -93,6 +103,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if not 0.0 <= self.step_interval_ms <= MAX_STEP_INTERVAL_MS:
+            raise ValueError(f"step_interval_ms must be between 0 and {MAX_STEP_INTERVAL_MS:g}")
         if self.max_sessions < 0:
             raise ValueError("max_sessions must be >= 0")
         if self.max_queued_frames < 1:

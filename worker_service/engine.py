@@ -6,6 +6,11 @@ frame per request, runs one batched model step, and hands per-owner results to `
 waiting for anyone (the server's sink is ``loop.call_soon_threadsafe`` into bounded per-owner
 queues). When nothing is runnable the thread blocks on a condition: no busy waiting.
 
+With a ``step_interval_s``, a step starts no sooner than that after the previous one started
+(unless ``max_batch`` requests are runnable): inputs that arrive meanwhile join one larger batch
+instead of each taking a small step of its own. Commands are still applied as they come. A
+request waits at most the interval, and not at all when the previous step is older than that.
+
 The asyncio side talks to the engine only through ordered commands (``Enqueue``, ``AbortOlder``,
 ``ReleaseSession``) applied between steps, so model state and queues need no locks. Errors are
 split the vLLM v1 way: a per-request failure becomes that request's error update and the batch
@@ -186,13 +191,17 @@ class Engine:
         on_ready: Callable[[StepModel[Any]], object] | None = None,
         on_fatal: Callable[[BaseException], object] | None = None,
         torch_threads: int = 0,
+        step_interval_s: float = 0.0,
     ) -> None:
+        if step_interval_s < 0:
+            raise ValueError("step_interval_s must be >= 0")
         self._factory = model_factory
         self._sink = sink
         self._max_batch = max_batch
         self._on_ready = on_ready
         self._on_fatal = on_fatal
         self._torch_threads = torch_threads
+        self._step_interval = step_interval_s
         self._cond = threading.Condition()
         self._inbox: list[EngineCommand] = []
         self._stopping = False
@@ -204,6 +213,8 @@ class Engine:
         self._runnable: OrderedDict[str, _Request] = OrderedDict()
         self._queued_units = 0
         self._step_no = 0
+        self._next_step_at = 0.0
+        """``time.monotonic()`` before which no step starts (with a step interval)."""
         self._fmt: common_pb2.AudioFormat | None = None
 
     # -- the asyncio side's API (thread-safe) ---------------------------------------------------
@@ -270,15 +281,21 @@ class Engine:
 
     def _iterate(self, model: StepModel[Any]) -> bool:
         with self._cond:
-            while not self._inbox and not self._runnable and not self._stopping:
-                self._cond.wait()
+            while not self._stopping and not self._inbox:
+                if not self._runnable:
+                    self._cond.wait()
+                    continue
+                wait = self._step_wait()
+                if wait <= 0:
+                    break
+                self._cond.wait(wait)  # a command wakes it early: applied at once, the step waits on
             if self._stopping:
                 return False
             commands, self._inbox = self._inbox, []
         news: dict[str, list[Update]] = {}
         self._apply(model, commands, news)
         results: list[tuple[str, OwnerStep]] = []
-        step_outputs = self._step(model, news) if self._runnable else []
+        step_outputs = self._step(model, news) if self._runnable and self._step_wait() <= 0 else []
         results = [(owner, OwnerStep(step=0, updates=u)) for owner, u in news.items() if u]
         results.extend(step_outputs)
         ACTIVE_REQUESTS.set(len(self._requests))
@@ -286,6 +303,12 @@ class Engine:
         if results:
             self._sink(results)
         return True
+
+    def _step_wait(self) -> float:
+        """Seconds until the next step may start (<= 0: now)."""
+        if not self._step_interval or len(self._runnable) >= self._max_batch:
+            return 0.0
+        return self._next_step_at - time.monotonic()
 
     # -- commands --------------------------------------------------------------------------------
 
@@ -453,6 +476,8 @@ class Engine:
             replayed.append(frame is not None and req.input_replay)
         if not batch:
             return []
+        if self._step_interval:
+            self._next_step_at = time.monotonic() + self._step_interval
         self._step_no += 1
         size = len(batch)
         frames = np.zeros((size, model.frame_samples), dtype=np.float32)
