@@ -186,6 +186,13 @@ def _fail_closed(cause: str) -> float:
     return REGISTRY.get_sample_value("duplex_sparse_fail_closed_total", {"cause": cause}) or 0.0
 
 
+class _LongFrames(FakeModel):
+    """4 s frames: step intervals of seconds, so that the tests wait on nothing a busy machine
+    could stretch."""
+
+    frame_samples = 4 * PCM16K_MONO.sample_rate_hz
+
+
 class _Steps:
     """A sink recording, in order and with the time it came, each step's requests and each update
     that came apart from a step."""
@@ -212,14 +219,14 @@ class _Steps:
 
 
 def _append(i: int, frames: int = 1) -> Enqueue:
-    pcm_frames = np.zeros((frames, FRAME), np.float32)
+    pcm_frames = np.zeros((frames, _LongFrames.frame_samples), np.float32)
     work = Work(APPEND, Fence(f"s{i}", 1, 0), "o", f"r{i}", seq=1, frames=pcm_frames)
     return Enqueue(work, QueueCounter())
 
 
 def test_step_interval_gathers_the_inputs_that_arrive_within_it_into_one_step() -> None:
     steps = _Steps()
-    engine = Engine(FakeModel, sink=steps, max_batch=8, step_interval_s=0.5)
+    engine = Engine(_LongFrames, sink=steps, max_batch=8, step_interval_s=0.5)
     engine.start()
     try:
         engine.submit([_append(0)])
@@ -234,7 +241,7 @@ def test_step_interval_gathers_the_inputs_that_arrive_within_it_into_one_step() 
     assert events[1][0] - events[0][0] >= 0.45  # the second waited out the interval
 
 
-class _NoState(FakeModel):
+class _NoState(_LongFrames):
     def create_state(self, session_id: str) -> _St:
         if session_id == "s9":
             raise RuntimeError("no state for this one")
@@ -252,13 +259,39 @@ def test_commands_are_applied_during_the_step_interval_and_a_full_batch_steps_at
         engine.submit([_append(9)])  # ...but this command is applied now: its error comes at once
         events = steps.wait_for(2)
         assert [(kind, rids) for _, kind, rids in events[1:]] == [("error", ["r9"])]
-        assert events[1][0] - events[0][0] < 3.0
+        assert events[1][0] - events[0][0] < 2.0  # well before the interval ends
         engine.submit([_append(2)])  # r1 and r2 runnable: max_batch, no more waiting
         events = steps.wait_for(3)
     finally:
         engine.stop()
     assert [(kind, rids) for _, kind, rids in events[2:]] == [("step", ["r1", "r2"])]
-    assert events[2][0] - events[0][0] < 3.0
+    assert events[2][0] - events[0][0] < 2.0
+
+
+def test_a_request_behind_steps_at_once_and_the_interval_stays_below_the_frame_period() -> None:
+    steps = _Steps()
+    engine = Engine(_LongFrames, sink=steps, max_batch=8, step_interval_s=1.5)
+    engine.start()
+    try:
+        engine.submit([_append(0)])
+        steps.wait_for(1)
+        engine.submit([_append(1, frames=2)])  # two frames queued: behind, its first steps at once
+        events = steps.wait_for(3)
+    finally:
+        engine.stop()
+    assert [(kind, rids) for _, kind, rids in events] == [
+        ("step", ["r0"]),
+        ("step", ["r1"]),
+        ("step", ["r1"]),
+    ]
+    assert events[1][0] - events[0][0] < 1.0  # well before the interval ends
+    assert events[2][0] - events[1][0] >= 1.45  # one frame left: no longer behind, so it waits
+    # An interval a model's frame could not keep up with fails the engine as it loads.
+    failed: list[BaseException] = []
+    engine = Engine(FakeModel, sink=steps, step_interval_s=0.032, on_fatal=failed.append)
+    engine.start()
+    engine.stop()
+    assert engine.dead is not None and "frame period (32 ms)" in str(engine.dead) and failed == [engine.dead]
 
 
 def test_step_interval_is_bounded_in_the_config() -> None:

@@ -30,7 +30,8 @@ def _worker_id() -> str:
     return "worker-" + uuid.uuid4().hex[:8]
 
 
-#: The longest step interval accepted: a session's frames must still be stepped near real time.
+#: The longest step interval a config accepts; the model's frame period, checked when the model
+#: loads, is the bound that matters (a request must keep real time).
 MAX_STEP_INTERVAL_MS = 1000.0
 
 
@@ -54,8 +55,9 @@ class WorkerConfig:
     """Least time between the starts of two model steps (0 = step as soon as any input is
     queued). Inputs arriving within it share one step: larger batches and less CPU per frame
     under partial load, for up to this much more latency per hop. ``max_batch`` runnable
-    requests step at once. A model that steps replies without input (not lockstep) then
-    generates at most one frame per request per interval."""
+    requests, or a request with more than one frame queued, step at once. It must be below the
+    model's frame period (32 ms for both models here; checked when the model loads): a model
+    that steps replies without input (not lockstep) generates one frame per request per step."""
     max_sessions: int = DEFAULT_MAX_SESSIONS
     """Most sessions attached at once (0 = unbounded); an Attach beyond it is refused with
     RESOURCE_EXHAUSTED ``capacity_exhausted`` (retryable)."""

@@ -6,10 +6,13 @@ frame per request, runs one batched model step, and hands per-owner results to `
 waiting for anyone (the server's sink is ``loop.call_soon_threadsafe`` into bounded per-owner
 queues). When nothing is runnable the thread blocks on a condition: no busy waiting.
 
-With a ``step_interval_s``, a step starts no sooner than that after the previous one started
-(unless ``max_batch`` requests are runnable): inputs that arrive meanwhile join one larger batch
-instead of each taking a small step of its own. Commands are still applied as they come. A
-request waits at most the interval, and not at all when the previous step is older than that.
+With a ``step_interval_s``, a step starts no sooner than that after the previous one started:
+inputs that arrive meanwhile join one larger batch instead of each taking a small step of its
+own. Commands are still applied as they come. A request waits at most the interval, and not at
+all when the previous step is older than that. A step starts at once when ``max_batch``
+requests are runnable or when a request has more than one unit queued (it is behind: a step
+takes one frame per request). The interval must be below the model's frame period, or a
+request could not keep real time.
 
 The asyncio side talks to the engine only through ordered commands (``Enqueue``, ``AbortOlder``,
 ``ReleaseSession``) applied between steps, so model state and queues need no locks. Errors are
@@ -264,6 +267,12 @@ class Engine:
             # and updated in place under it, with no autograd bookkeeping.
             with torch.inference_mode():
                 model = self._factory()
+                frame_s = model.frame_samples / model.audio_format.sample_rate_hz
+                if self._step_interval >= frame_s:
+                    raise ValueError(
+                        f"the step interval ({1000 * self._step_interval:g} ms) must be below the "
+                        f"model's frame period ({1000 * frame_s:g} ms)"
+                    )
                 self.model = model
                 self._fmt = model.audio_format.to_proto()
                 if self._on_ready is not None:
@@ -306,7 +315,11 @@ class Engine:
 
     def _step_wait(self) -> float:
         """Seconds until the next step may start (<= 0: now)."""
-        if not self._step_interval or len(self._runnable) >= self._max_batch:
+        if (
+            not self._step_interval
+            or len(self._runnable) >= self._max_batch
+            or self._queued_units > len(self._runnable)  # someone is behind
+        ):
             return 0.0
         return self._next_step_at - time.monotonic()
 
