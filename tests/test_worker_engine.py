@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -224,19 +225,28 @@ def _append(i: int, frames: int = 1) -> Enqueue:
     return Enqueue(work, QueueCounter())
 
 
-def test_step_interval_gathers_the_inputs_that_arrive_within_it_into_one_step() -> None:
+@contextmanager
+def _stepped_once(
+    model: type[FakeModel], *, step_interval_s: float, max_batch: int = 8
+) -> Iterator[tuple[Engine, _Steps]]:
+    """A running engine whose first step (r0, one frame) is done: the interval runs from it."""
     steps = _Steps()
-    engine = Engine(_LongFrames, sink=steps, max_batch=8, step_interval_s=0.5)
+    engine = Engine(model, sink=steps, max_batch=max_batch, step_interval_s=step_interval_s)
     engine.start()
     try:
         engine.submit([_append(0)])
         steps.wait_for(1)  # the first step starts at once: no step before it
+        yield engine, steps
+    finally:
+        engine.stop()
+
+
+def test_step_interval_gathers_the_inputs_that_arrive_within_it_into_one_step() -> None:
+    with _stepped_once(_LongFrames, step_interval_s=0.5) as (engine, steps):
         for i in (1, 2, 3):
             time.sleep(0.03)  # without the interval, each would take a step of its own
             engine.submit([_append(i)])
         events = steps.wait_for(2)
-    finally:
-        engine.stop()
     assert [(kind, rids) for _, kind, rids in events] == [("step", ["r0"]), ("step", ["r1", "r2", "r3"])]
     assert events[1][0] - events[0][0] >= 0.45  # the second waited out the interval
 
@@ -249,12 +259,7 @@ class _NoState(_LongFrames):
 
 
 def test_commands_are_applied_during_the_step_interval_and_a_full_batch_steps_at_once() -> None:
-    steps = _Steps()
-    engine = Engine(_NoState, sink=steps, max_batch=2, step_interval_s=3.0)
-    engine.start()
-    try:
-        engine.submit([_append(0)])
-        steps.wait_for(1)
+    with _stepped_once(_NoState, step_interval_s=3.0, max_batch=2) as (engine, steps):
         engine.submit([_append(1)])  # waits for the interval...
         engine.submit([_append(9)])  # ...but this command is applied now: its error comes at once
         events = steps.wait_for(2)
@@ -262,23 +267,14 @@ def test_commands_are_applied_during_the_step_interval_and_a_full_batch_steps_at
         assert events[1][0] - events[0][0] < 2.0  # well before the interval ends
         engine.submit([_append(2)])  # r1 and r2 runnable: max_batch, no more waiting
         events = steps.wait_for(3)
-    finally:
-        engine.stop()
     assert [(kind, rids) for _, kind, rids in events[2:]] == [("step", ["r1", "r2"])]
     assert events[2][0] - events[0][0] < 2.0
 
 
 def test_a_request_behind_steps_at_once_and_the_interval_stays_below_the_frame_period() -> None:
-    steps = _Steps()
-    engine = Engine(_LongFrames, sink=steps, max_batch=8, step_interval_s=1.5)
-    engine.start()
-    try:
-        engine.submit([_append(0)])
-        steps.wait_for(1)
+    with _stepped_once(_LongFrames, step_interval_s=1.5) as (engine, steps):
         engine.submit([_append(1, frames=2)])  # two frames queued: behind, its first steps at once
         events = steps.wait_for(3)
-    finally:
-        engine.stop()
     assert [(kind, rids) for _, kind, rids in events] == [
         ("step", ["r0"]),
         ("step", ["r1"]),
@@ -288,7 +284,7 @@ def test_a_request_behind_steps_at_once_and_the_interval_stays_below_the_frame_p
     assert events[2][0] - events[1][0] >= 1.45  # one frame left: no longer behind, so it waits
     # An interval a model's frame could not keep up with fails the engine as it loads.
     failed: list[BaseException] = []
-    engine = Engine(FakeModel, sink=steps, step_interval_s=0.032, on_fatal=failed.append)
+    engine = Engine(FakeModel, sink=lambda items: None, step_interval_s=0.032, on_fatal=failed.append)
     engine.start()
     engine.stop()
     assert engine.dead is not None and "frame period (32 ms)" in str(engine.dead) and failed == [engine.dead]
