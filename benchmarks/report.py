@@ -43,6 +43,20 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
         -1,
     ),
     ("worker_cpu_us_per_frame", "worker CPU per session-frame", "µs", None, -1),
+    (
+        "session_cpu_us_per_frame_step_interval",
+        "session service CPU per session-frame, worker --step-interval-ms (tiers' comparison)",
+        "µs",
+        None,
+        -1,
+    ),
+    (
+        "worker_cpu_us_per_frame_step_interval",
+        "worker CPU per session-frame, worker --step-interval-ms (tiers' comparison)",
+        "µs",
+        None,
+        -1,
+    ),
     ("model_cpu_us_per_frame", "model alone CPU per frame, same batch", "µs", None, -1),
     (
         "model_reply_us_per_frame",
@@ -106,6 +120,12 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
         "worker_cpu_us_per_frame": _get(tiers, "cpu_us_per_frame", "worker"),
         "model_cpu_us_per_frame": _get(tiers, "model_at_mean_batch", "cpu_us_per_frame"),
         "model_reply_us_per_frame": _get(tiers, "model_reply_us_per_frame"),
+        "session_cpu_us_per_frame_step_interval": _get(
+            tiers, "step_interval_compared", "cpu_us_per_frame", "session"
+        ),
+        "worker_cpu_us_per_frame_step_interval": _get(
+            tiers, "step_interval_compared", "cpu_us_per_frame", "worker"
+        ),
         "tiers_mean_batch": _get(tiers, "mean_batch"),
         "tiers_held_real_time": _get(tiers, "held_real_time"),
         "session_kernel_us_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "kernel_us"),
@@ -519,6 +539,33 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
                     ["session service", f(us.get("session"), ".0f"), f(cu.get("session"), ".0f")],
                     ["worker", f(us.get("worker"), ".0f"), f(cu.get("worker"), ".0f")],
                     ["load generator (client)", f(us.get("generator"), ".0f"), f(cu.get("generator"), ".0f")],
+                ],
+            )
+        )
+        add("")
+    si = t.get("step_interval_compared")
+    if si:
+        su = si["cpu_us_per_frame"]
+        ack = _get(t, "load", "ack_ms", "p99")
+        add(
+            f"The same load against a worker started with `--step-interval-ms {si['step_interval_ms']:g}` "
+            "(a stack of its own): the inputs that arrive within the interval share one step, for up to "
+            "that much more latency per hop (see docs/worker-protocol.md, Batching)"
+            + ("" if si["held_real_time"] else "; it did **not** hold real time: " + "; ".join(si["why"]))
+            + ":\n"
+        )
+        add(
+            _table(
+                ["", "worker steps as input comes (default)", f"at most every {si['step_interval_ms']:g} ms"],
+                [
+                    ["worker's mean batch", f(t.get("mean_batch"), ".1f"), f(si["mean_batch"], ".1f")],
+                    [
+                        "session service µs per session-frame",
+                        f(us.get("session"), ".0f"),
+                        f(su.get("session"), ".0f"),
+                    ],
+                    ["worker µs per session-frame", f(us.get("worker"), ".0f"), f(su.get("worker"), ".0f")],
+                    ["ack p99 ms", f(ack, ".1f"), f(si.get("ack_p99_ms"), ".1f")],
                 ],
             )
         )

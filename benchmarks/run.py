@@ -121,7 +121,12 @@ def sections(
             [*dev, "--seconds", "2", "--batches", "1,16,64"],
             300,
         ),
-        ("tiers", "CPU per session-frame per tier", [*dev, "--sessions", "32"], 180),
+        (
+            "tiers",
+            "CPU per session-frame per tier",
+            [*dev, "--sessions", "32", "--compare-step-interval-ms", "8"],
+            180,
+        ),
         ("capacity", "capacity: real-time parrot conversations", [*dev, *cap], 600),
     ]
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks import grpc_echo
-from benchmarks._load import Criteria, LoadSpec, judge, run_load, step_row
+from benchmarks._load import Criteria, LoadResult, LoadSpec, judge, run_load, step_row
 from benchmarks._services import histogram_sum_count, scrape, stack
 from benchmarks._sys import FRAME_MS, NoMeasurement, fail, fmt, write_result
 from benchmarks.model_steps import ParrotLoop
@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--session-args", default="", help="extra flags of the session service (compare settings)")
     p.add_argument("--worker-args", default="", help="extra flags of the worker, e.g. --step-interval-ms 16")
+    p.add_argument(
+        "--compare-step-interval-ms",
+        type=float,
+        default=0.0,
+        help="also run the load against a worker with this --step-interval-ms (a stack of its own; 0 = skip)",
+    )
     args = p.parse_args(argv)
     print(
         f"tiers: {args.sessions} parrot sessions, duplex load at real time ({args.append_ms} ms appends), "
@@ -93,26 +99,27 @@ def main(argv: list[str] | None = None) -> int:
             session_args=args.session_args.split(),
             worker_args=args.worker_args.split(),
         ) as st:
-            assert st.session is not None
-            worker = st.worker_children[0]
-            pids = {"session": st.session.pid, "worker": worker.pid}
-            batches: dict[str, tuple[float, float]] = {}
-
-            def during(a: float, b: float) -> None:
-                batches["a"] = histogram_sum_count(scrape(worker.metrics), "duplex_worker_batch_size")
-
-                def at_b() -> None:
-                    time.sleep(max(0.0, b - time.monotonic()))
-                    batches["b"] = histogram_sum_count(scrape(worker.metrics), "duplex_worker_batch_size")
-
-                threading.Thread(target=at_b, daemon=True).start()
-
-            r = run_load(st.target, spec, pids, during_window=during)
+            r, batches = _window(st, spec)
             # The same load from clients that take an input_ack event per append: what reading
             # acks on the output saves (same processes, a window of its own).
             other = None
             if args.compare and not args.separate_acks:
+                assert st.session is not None
+                pids = {"session": st.session.pid, "worker": st.worker_children[0].pid}
                 other = run_load(st.target, dataclasses.replace(spec, separate_acks=True), pids)
+        interval = None
+        if args.compare_step_interval_ms > 0:
+            # The same load against a worker that steps at most every T ms (a stack of its own).
+            t = args.compare_step_interval_ms
+            with stack(
+                "parrot",
+                device=args.device,
+                torch_threads=args.torch_threads,
+                session_args=args.session_args.split(),
+                worker_args=[*args.worker_args.split(), "--step-interval-ms", f"{t:g}"],
+            ) as st:
+                ri, bi = _window(st, spec)
+            interval = _interval_row(t, ri, bi, spec)
         m = r.merged
         why = judge(m, _criteria(spec), turns=False)
         frames = sum(s["acked"] for s in m["per_session"]) * args.append_ms / FRAME_MS
@@ -124,28 +131,15 @@ def main(argv: list[str] | None = None) -> int:
             if o_frames <= 0:
                 raise NoMeasurement("no input frame was acknowledged in the separate-acks window")
             compared = {
-                "cpu_us_per_frame": {
-                    k: (1e6 * v / o_frames if v is not None else None)
-                    for k, v in other.cpu_s.items()
-                    if k in ("session", "worker", "generator")
-                },
+                "cpu_us_per_frame": _per_frame(other.cpu_s, o_frames),
                 "frames": o_frames,
                 "held_real_time": not judge(other.merged, _criteria(other.spec), turns=False),
                 "why": judge(other.merged, _criteria(other.spec), turns=False),
             }
         if m["reply_frames"] <= 0:
             raise NoMeasurement("no reply frame came back in the window")
-        if "b" not in batches:
-            raise NoMeasurement("the worker's batch-size histogram could not be read at the window's end")
-        (s0, c0), (s1, c1) = batches["a"], batches["b"]
-        if c1 <= c0:
-            raise NoMeasurement("the worker made no step in the window")
-        mean_batch = (s1 - s0) / (c1 - c0)
-        us = {
-            k: (1e6 * v / frames if v is not None else None)
-            for k, v in r.cpu_s.items()
-            if k in ("session", "worker", "generator")
-        }
+        mean_batch, c1, c0 = _mean_batch(batches)
+        us = _per_frame(r.cpu_s, frames)
         detail = per_frame_detail(r.cpu_detail, frames)
         row = step_row(r, why)
         if args.torch_threads:
@@ -185,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "why": why,
         "load": row,
         "separate_acks_compared": compared,
+        "step_interval_compared": interval,
     }
     model_us = model_at_mean["cpu_us_per_frame"]
     reply_us = result["model_reply_us_per_frame"]
@@ -242,8 +237,77 @@ def main(argv: list[str] | None = None) -> int:
             f"{fmt(cu['generator'], '.0f')} µs per session-frame",
             flush=True,
         )
+    if interval is not None:
+        iu = interval["cpu_us_per_frame"]
+        held = interval["held_real_time"]
+        print(
+            f"  the same load against a worker stepping at most every {interval['step_interval_ms']:g} ms: "
+            f"mean batch {interval['mean_batch']:.1f}, session service {fmt(iu['session'], '.0f')}, "
+            f"worker {fmt(iu['worker'], '.0f')} µs per session-frame, "
+            f"ack p99 {fmt(interval['ack_p99_ms'])} ms"
+            + ("" if held else " (did NOT hold real time: " + "; ".join(interval["why"]) + ")"),
+            flush=True,
+        )
     write_result(args.json, "tiers", result)
     return 0
+
+
+def _window(st: Any, spec: LoadSpec) -> tuple[LoadResult, dict[str, tuple[float, float]]]:
+    """Run ``spec`` against the stack ``st``; also the worker's batch-size histogram (sum,
+    count) at the window's start (``a``) and end (``b``)."""
+    assert st.session is not None
+    worker = st.worker_children[0]
+    pids = {"session": st.session.pid, "worker": worker.pid}
+    batches: dict[str, tuple[float, float]] = {}
+
+    def during(a: float, b: float) -> None:
+        batches["a"] = histogram_sum_count(scrape(worker.metrics), "duplex_worker_batch_size")
+
+        def at_b() -> None:
+            time.sleep(max(0.0, b - time.monotonic()))
+            batches["b"] = histogram_sum_count(scrape(worker.metrics), "duplex_worker_batch_size")
+
+        threading.Thread(target=at_b, daemon=True).start()
+
+    return run_load(st.target, spec, pids, during_window=during), batches
+
+
+def _per_frame(cpu_s: dict[str, float | None], frames: float) -> dict[str, float | None]:
+    """CPU µs per session-frame of the session service, the worker and the load generator."""
+    return {
+        k: (1e6 * v / frames if v is not None else None)
+        for k, v in cpu_s.items()
+        if k in ("session", "worker", "generator")
+    }
+
+
+def _mean_batch(batches: dict[str, tuple[float, float]]) -> tuple[float, float, float]:
+    """The mean batch over the window, and the step counts at its end and start."""
+    if "b" not in batches:
+        raise NoMeasurement("the worker's batch-size histogram could not be read at the window's end")
+    (s0, c0), (s1, c1) = batches["a"], batches["b"]
+    if c1 <= c0:
+        raise NoMeasurement("the worker made no step in the window")
+    return (s1 - s0) / (c1 - c0), c1, c0
+
+
+def _interval_row(
+    t: float, r: LoadResult, batches: dict[str, tuple[float, float]], spec: LoadSpec
+) -> dict[str, Any]:
+    """The step-interval window's figures: CPU per session-frame, mean batch, ack p99."""
+    frames = sum(s["acked"] for s in r.merged["per_session"]) * spec.append_ms / FRAME_MS
+    if frames <= 0:
+        raise NoMeasurement(f"no input frame was acknowledged in the --step-interval-ms {t:g} window")
+    why = judge(r.merged, _criteria(spec), turns=False)
+    return {
+        "step_interval_ms": t,
+        "frames": frames,
+        "mean_batch": _mean_batch(batches)[0],
+        "cpu_us_per_frame": _per_frame(r.cpu_s, frames),
+        "ack_p99_ms": step_row(r, why)["ack_ms"]["p99"],
+        "held_real_time": not why,
+        "why": why,
+    }
 
 
 def per_frame_detail(

@@ -37,6 +37,16 @@ def test_tiers_detail_is_per_session_frame():
     assert tiers.per_frame_detail(detail, 0.0)["session"] is None  # nothing measured is no figure
 
 
+def test_tiers_mean_batch_and_cpu_per_frame_refuse_an_empty_window():
+    assert tiers._mean_batch({"a": (10.0, 5.0), "b": (90.0, 15.0)}) == (8.0, 15.0, 5.0)
+    with pytest.raises(_sys.NoMeasurement, match="no step"):
+        tiers._mean_batch({"a": (10.0, 5.0), "b": (10.0, 5.0)})
+    with pytest.raises(_sys.NoMeasurement, match="could not be read"):
+        tiers._mean_batch({"a": (10.0, 5.0)})
+    per = tiers._per_frame({"session": 0.4, "worker": None, "generator": 0.2, "other": 9.0}, 1000.0)
+    assert per == pytest.approx({"session": 400.0, "worker": None, "generator": 200.0})
+
+
 def test_grpc_echo_floor_is_per_message_pair_and_refuses_an_empty_window():
     d0 = {"user_s": 1.0, "system_s": 0.5, "switches": 100.0}
     d1 = {"user_s": 1.2, "system_s": 0.6, "switches": 900.0}
@@ -377,6 +387,16 @@ def _sections():
                 "held_real_time": True,
                 "why": [],
             },
+            "load": {"ack_ms": {"p50": 3.0, "p99": 21.5}},
+            "step_interval_compared": {
+                "step_interval_ms": 8.0,
+                "frames": 8000.0,
+                "mean_batch": 8.1,
+                "cpu_us_per_frame": {"session": 640.0, "worker": 720.0, "generator": 390.0},
+                "ack_p99_ms": 24.25,
+                "held_real_time": True,
+                "why": [],
+            },
         },
         "hop_latency": {
             "rows": [
@@ -519,6 +539,12 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     assert "| worker | 1000 | 2.0x |" in md and "| worker | —" not in md
     assert "| model alone: its reply synthesis (helper threads, once per turn) | 100 | — |" in md
     assert "| model alone: its whole share | 500 | 1x |" in md
+    # The worker's step interval beside the default: its own table and figures.
+    assert "| worker's mean batch | 1.2 | 8.1 |" in md
+    assert "| session service µs per session-frame | 700 | 640 |" in md
+    assert "| worker µs per session-frame | 1000 | 720 |" in md and "| ack p99 ms | 21.5 | 24.2 |" in md
+    assert latest["session_cpu_us_per_frame_step_interval"] == 640.0
+    assert latest["worker_cpu_us_per_frame_step_interval"] == 720.0
     assert latest["session_kernel_us_per_frame"] == 200.0 and latest["session_switches_per_frame"] == 11.25
     # The transport's floor beside the model's.
     assert "| bare gRPC echo, same message rate (per message pair) | 175 |" in md
