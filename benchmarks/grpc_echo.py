@@ -94,8 +94,9 @@ async def drive(port: int, streams: int, period_s: float, until: float) -> int:
     return got
 
 
-def measure(streams: int, period_ms: float, seconds: float, warmup_s: float = 1.5) -> dict[str, Any]:
-    """Start the echo server, drive it, and return its CPU per message pair over the window."""
+def start_server() -> tuple[subprocess.Popen[str], int]:
+    """The echo server in a process of its own, and its port once it says it listens (within
+    ``START_TIMEOUT_S``, else ``NoMeasurement`` and the process is stopped)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.grpc_echo", "--serve"],
         stdin=subprocess.PIPE,
@@ -103,12 +104,34 @@ def measure(streams: int, period_ms: float, seconds: float, warmup_s: float = 1.
         text=True,
     )
     try:
-        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
         line = proc.stdout.readline() if ready else ""
         if not line:
             raise NoMeasurement(f"the echo server did not start within {START_TIMEOUT_S:g} s")
-        port = int(json.loads(line)["port"])
+        return proc, int(json.loads(line)["port"])
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    """Close its stdin (it stops), wait for it, kill it if it does not; close its pipes."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def measure(streams: int, period_ms: float, seconds: float, warmup_s: float = 1.5) -> dict[str, Any]:
+    """Start the echo server, drive it, and return its CPU per message pair over the window."""
+    proc, port = start_server()
+    try:
         marks: dict[str, Any] = {}
 
         async def run() -> int:
@@ -133,13 +156,7 @@ def measure(streams: int, period_ms: float, seconds: float, warmup_s: float = 1.
         except grpc.RpcError as exc:  # the server went away mid-run
             raise NoMeasurement(f"the echo stream failed ({type(exc).__name__})") from exc
     finally:
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_server(proc)
     d0, d1 = marks.get("a"), marks.get("b")
     if d0 is None or d1 is None or echoed <= 0:
         raise NoMeasurement("the echo server answered nothing or could not be measured")

@@ -3,10 +3,6 @@ process listening on a port, so: loopback only, bounded messages, gone with its 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import grpc
 import pytest
 
@@ -32,23 +28,11 @@ def _listening_addresses(port: int) -> set[str]:
 
 @pytest.fixture
 def echo_server():
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.grpc_echo", "--serve"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc, port = grpc_echo.start_server()
     try:
-        assert proc.stdout is not None
-        port = int(json.loads(proc.stdout.readline())["port"])
         yield proc, port
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
+        grpc_echo.stop_server(proc)
 
 
 def test_echo_server_listens_on_loopback_only_echoes_and_bounds_messages(echo_server):

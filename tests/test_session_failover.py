@@ -41,11 +41,10 @@ from duplex.audio import PCM16K_MONO, decode, encode
 from duplex.errors import BadRequestError, DuplexError, ErrorCode, FencedError, UnavailableError
 from duplex.serving import split_host_port
 from duplex.v1 import common_pb2, session_pb2, worker_pb2, worker_pb2_grpc
-from session_service.config import RunnerConfig
 from session_service.liveness import Liveness
 from session_service.placement import WorkerPool, rendezvous_pick, rendezvous_rank
 from session_service.plugins.parrot import ParrotPlugin
-from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
+from session_service.runner import WorkerHandle
 from session_service.server import SessionServer
 from session_service.worker_link import WorkerLink
 from tests.fakes import ManualClock
@@ -59,6 +58,7 @@ from tests.session_helpers import (
     similarity,
     speech,
     to_16k,
+    unit_runner,
     utterance_pcm,
     wait_workers_healthy,
     worker_args,
@@ -739,27 +739,13 @@ async def _settle() -> None:
 
 
 async def test_an_append_lost_mid_write_goes_to_the_new_worker() -> None:
-    plugin = ParrotPlugin()
     dead, healthy = _Link("a:1", hold=True), _Link("b:1", hold=False)
 
     async def placer(session_id: str, epoch: int, takeover: bool) -> tuple[WorkerHandle, int]:
         return healthy, epoch
 
-    runner = SessionRunner(
-        session_id="sess_mid_write",
-        settings=plugin.default_settings(),
-        runtime_config={"pitch_semitones": PITCH, "silence_ms": None},
-        link=dead,
-        epoch=1,
-        resume_token="tok",
-        deps=RunnerDeps(
-            plugin=plugin,
-            capabilities=plugin.capabilities(max_sessions=4),
-            config=RunnerConfig(coalesce_acks=False),  # an ack per append, each read
-            placer=placer,
-        ),
-    )
-    runner.start()
+    # An ack per append (unit_runner's default), each read.
+    runner = unit_runner(dead, session_id="sess_mid_write", pitch=PITCH, placer=placer)
     try:
         await runner.post(_append(1))
         await _settle()

@@ -758,13 +758,20 @@ def carried(events: list[session_pb2.ServerEvent]) -> list[tuple[str, int, int]]
     return out
 
 
-async def test_on_a_stream_that_reads_carried_acks_an_append_is_acked_on_the_output_of_its_step() -> None:
-    link = FakeLink()
+async def _replying_on_carried_acks(link: FakeLink, seqs: range) -> SessionRunner:
+    """A runner replying on a stream that reads carried acks (its output so far drained), with the
+    appends ``seqs`` handed on to ``link``."""
     r = make_runner(link)
     r.attach_stream(acks_on_output=True)
     await start_response(r)
     drain(r)
-    await _hand_on(r, range(1, 4))
+    await _hand_on(r, seqs)
+    return r
+
+
+async def test_on_a_stream_that_reads_carried_acks_an_append_is_acked_on_the_output_of_its_step() -> None:
+    link = FakeLink()
+    r = await _replying_on_carried_acks(link, range(1, 4))
     assert [s.seq for s in link.subs if s.kind == worker_pb2.SUBMISSION_KIND_APPEND] == [1, 2, 3]
     assert carried(drain(r)) == []  # handed on, not consumed yet: no ack
     # The step that consumed 1 and 2 made a reply frame: the ack (of 2, covering 1) rides on it.
@@ -788,13 +795,8 @@ async def test_on_a_stream_that_reads_carried_acks_an_append_is_acked_on_the_out
 
 
 async def test_a_carried_ack_never_rides_on_audio_of_another_epoch_and_is_not_lost() -> None:
-    link = FakeLink()
-    r = make_runner(link)
-    r.attach_stream(acks_on_output=True)
-    await start_response(r)
+    r = await _replying_on_carried_acks(FakeLink(), range(1, 3))
     turn = r.turn_id
-    drain(r)
-    await _hand_on(r, range(1, 3))
     # The news of epoch 1 consumed 2; the step's audio is for a fence the session left (stale).
     r.on_output(
         Fence(SID, 0, turn).to_proto(),
@@ -843,12 +845,7 @@ async def test_the_silence_feeder_notices_the_allowance_shrink_after_a_large_app
 
 
 async def test_a_stream_that_stops_reading_carried_acks_gets_the_latest_one_again() -> None:
-    link = FakeLink()
-    r = make_runner(link)
-    r.attach_stream(acks_on_output=True)
-    await start_response(r)
-    drain(r)
-    await _hand_on(r, range(1, 3))
+    r = await _replying_on_carried_acks(FakeLink(), range(1, 3))
     r.on_output(
         Fence(SID, 1, r.turn_id).to_proto(),
         common_pb2.AudioPayload(pcm=FRAME),
