@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import IO
 
+from benchmarks._sys import reap
 from duplex.stack import Child, LocalStack
 
 PLUGINS = {
@@ -117,11 +118,7 @@ def lone_worker(model: str, flags: list[str], *, timeout_s: float = 90.0) -> Ite
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+                reap(proc, 15)
             if proc.stdout is not None:
                 proc.stdout.close()
 

@@ -258,6 +258,15 @@ def _json_default(obj: object) -> object:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+def reap(proc: subprocess.Popen[str], timeout_s: float) -> None:
+    """Wait for a child asked to stop; kill it if it has not ended within ``timeout_s``."""
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def fail(reason: str) -> int:
     """Print why a section measured nothing; the exit code that says so."""
     print(f"FAILED: {reason}", file=sys.stderr, flush=True)

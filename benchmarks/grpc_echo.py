@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks._sys import NoMeasurement, fail, proc_detail, write_result
+from benchmarks._sys import NoMeasurement, fail, proc_detail, reap, write_result
 from duplex.serving import CHANNEL_OPTIONS, SERVER_OPTIONS
 
 METHOD = "/benchmark.Echo/Echo"
@@ -119,11 +119,7 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
     """Close its stdin (it stops), wait for it, kill it if it does not; close its pipes."""
     if proc.stdin is not None and not proc.stdin.closed:
         proc.stdin.close()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+    reap(proc, 10)
     if proc.stdout is not None:
         proc.stdout.close()
 
