@@ -1,10 +1,11 @@
 """``duplex.v1.DuplexSession`` over gRPC: a thin adapter between the stream and the runners.
 
-The first client event must be ``open`` or ``resume`` (anything else is answered with a
-``session_not_open`` error event). After that a reader task feeds the session's mailbox while
-this handler writes the session's one outbound queue to the stream (``context.write``). A dropped
-stream leaves the runner alive for a resume for the detached grace; a half-closed stream closes
-the session.
+``Converse`` holds one session. Its first client event must be ``open`` or ``resume`` (anything
+else is answered with a ``session_not_open`` error event). After that a reader task feeds the
+session's mailbox while this handler writes the session's one outbound queue to the stream
+(``context.write``). A dropped stream leaves the runner alive for a resume for the detached
+grace; a half-closed stream closes the session. ``ConverseMany`` holds many sessions of one
+caller on one stream (``session_service.lanes``).
 """
 
 from __future__ import annotations
@@ -12,30 +13,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import NoReturn
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, FencedError, abort
 from duplex.v1 import session_pb2, session_pb2_grpc
 from session_service.auth import PrincipalOf, anonymous
+from session_service.calls import (
+    HALF_CLOSE_GRACE_S,
+    MAX_REFUSED_BEFORE_OPEN,
+    UNPARSABLE,
+    not_open_error,
+    open_or_resume,
+    read_messages,
+    write_message,
+)
+from session_service.lanes import LaneStream
 from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN
 from session_service.runner import SessionRunner
 from session_service.sessions import SessionManager
 
 log = logging.getLogger(__name__)
-
-#: How long a half-close must stand before it counts as "close" (a cancel looks alike at first).
-HALF_CLOSE_GRACE_S = 0.05
-
-#: Why a client message that gRPC could not parse is refused (``invalid_event``).
-UNPARSABLE = "the client message is not a valid ClientEvent (malformed, or nested too deeply)"
-
-#: Events a stream may send before its open (each answered ``session_not_open``) before the
-#: call is ended: a stream that never opens must not live on by sending junk.
-MAX_REFUSED_BEFORE_OPEN = 8
 
 SERVICE_NAME = session_pb2.DESCRIPTOR.services_by_name["DuplexSession"].full_name
 
@@ -63,7 +63,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         except DuplexError as err:
             await self._abort(context, err)
         del request_iterator  # read with context.read(): see _client_events
-        it = aiter(_client_events(context))
+        it = aiter(read_messages(context, session_pb2.ClientEvent))
         runner: SessionRunner | None = None
         acks_on_output = False
         refused = 0
@@ -84,12 +84,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             kind = ev.WhichOneof("event")
             EVENTS_IN[kind or "none"].inc()
             try:
-                if kind == "open":
-                    acks_on_output = ev.open.acks_on_output
-                    runner = await self._manager.open(ev.open, principal=principal)
-                elif kind == "resume":
-                    acks_on_output = ev.resume.acks_on_output
-                    runner = await self._manager.resume(ev.resume, principal=principal)
+                runner, acks_on_output = await open_or_resume(self._manager, ev, principal=principal)
             except DuplexError as err:
                 await self._abort(context, err)
             if runner is None:
@@ -103,15 +98,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                         ),
                     )
                 ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
-                refusal = session_pb2.ServerEvent(
-                    event_id=f"pre_{refused}",
-                    error=session_pb2.Error(
-                        code=ErrorCode.SESSION_NOT_OPEN.value,
-                        message="open or resume a session first",
-                        event_id=ev.event_id,
-                    ),
-                )
-                if not await _write(context, refusal):
+                if not await write_message(context, not_open_error(ev.event_id, refused)):
                     return
         cut_off: list[asyncio.Task[None]] = []
 
@@ -133,7 +120,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 out = await runner.outbound.get(attachment)
                 if out is None:
                     break
-                if not await _write(context, out, ended=lambda: bool(cut_off)):
+                if not await write_message(context, out, ended=lambda: bool(cut_off)):
                     break  # the call ended while the write waited
             if cut_off:
                 await cut_off[0]  # the call ends with slow_consumer, not OK
@@ -146,6 +133,20 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 # The stream ended without close (dropped, cancelled): the session waits a
                 # grace for a resume, then releases what it holds.
                 runner.detach()
+
+    async def ConverseMany(  # type: ignore[override]  # a coroutine writing with context.write
+        self,
+        request_iterator: AsyncIterator[session_pb2.ClientBatch],
+        context: grpc.aio.ServicerContext[session_pb2.ClientBatch, session_pb2.ServerBatch],
+    ) -> None:
+        """Many sessions of one caller on one stream (``session_service.lanes``)."""
+        try:
+            principal = self._principal_of(context)
+        except DuplexError as err:
+            await self._abort(context, err)
+        del request_iterator  # read with context.read(), as Converse
+        stream = LaneStream(self._manager, context, principal=principal, open_timeout_s=self._open_timeout_s)
+        await stream.run()
 
     async def _cut_off(
         self,
@@ -165,7 +166,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
 
     async def _abort(
         self,
-        context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
+        context: grpc.aio.ServicerContext[Any, Any],
         err: DuplexError,
     ) -> NoReturn:
         ERRORS_BY_CODE[err.code].inc()
@@ -198,42 +199,3 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         # Half-close by the client ends the session, unless a resumed stream has taken over.
         if runner.outbound.current_attachment == attachment:
             await runner.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
-
-
-async def _write(
-    context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
-    event: session_pb2.ServerEvent,
-    *,
-    ended: Callable[[], bool] = lambda: False,
-) -> bool:
-    """Write one event; False when the call ended while the write waited: the client dropped
-    it, or ``ended()``, it was aborted here. A failed write means the transport gave up on the
-    call (gRPC may not have marked the context cancelled yet): a message already built always
-    serializes."""
-    try:
-        await context.write(event)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        if not (ended() or context.cancelled() or context.done()):
-            log.info("a write to a client failed (%s): the call is over", type(exc).__name__)
-        return False
-    return True
-
-
-async def _client_events(
-    context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
-) -> AsyncIterator[session_pb2.ClientEvent | None]:
-    """The call's client events, None for one gRPC could not parse (corrupt, nested too deep,
-    invalid UTF-8). Read with ``context.read()``: a parse error would end the request iterator
-    for good, while ``read`` goes on with the next message, so a bad message costs an error
-    event, not the stream."""
-    while True:
-        try:
-            ev = await context.read()
-        except DecodeError:
-            yield None
-            continue
-        if not isinstance(ev, session_pb2.ClientEvent):  # grpc.aio.EOF: the client half-closed
-            return
-        yield ev

@@ -521,6 +521,110 @@ class Conversation:
         return [e.WhichOneof("event") or "" for e in self.events]
 
 
+class LaneCall:
+    """One ConverseMany stream: send events of named lanes, await the ones you expect per lane."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self._stub = session_pb2_grpc.DuplexSessionStub(channel)
+        self._metadata = tuple(metadata)
+        self._out: asyncio.Queue[session_pb2.ClientBatch | None] = asyncio.Queue()
+        self.events: dict[str, list[session_pb2.ServerEvent]] = {}
+        """Events by lane, in arrival order ("" holds errors about the stream itself)."""
+        self.ended: dict[str, list[session_pb2.LaneEnded]] = {}
+        """How each lane ended (a name used again may end more than once)."""
+        self.order: list[tuple[str, str]] = []
+        """(lane, event kind or "ended") of every output, in arrival order."""
+        self.batches = 0
+        self.error: DuplexError | None = None
+        self.status: grpc.StatusCode | None = None
+        self._changed = asyncio.Event()
+        self._done = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None  # type: ignore[type-arg]
+        self.seq: dict[str, int] = {}
+
+    async def _requests(self) -> AsyncIterator[session_pb2.ClientBatch]:
+        while True:
+            batch = await self._out.get()
+            if batch is None:
+                return
+            yield batch
+
+    def start(self) -> LaneCall:
+        self._call = self._stub.ConverseMany(self._requests(), metadata=self._metadata)
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        assert self._call is not None
+        try:
+            async for batch in self._call:
+                self.batches += 1
+                for out in batch.outputs:
+                    if out.HasField("ended"):
+                        self.ended.setdefault(out.lane, []).append(out.ended)
+                        self.order.append((out.lane, "ended"))
+                    else:
+                        self.events.setdefault(out.lane, []).append(out.event)
+                        self.order.append((out.lane, out.event.WhichOneof("event") or ""))
+                self._changed.set()
+        except grpc.aio.AioRpcError as exc:
+            self.status = exc.code()
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self.error = from_rpc_error(exc)
+        else:
+            self.status = grpc.StatusCode.OK
+        finally:
+            self._done.set()
+            self._changed.set()
+
+    def send(self, *events: tuple[str, session_pb2.ClientEvent]) -> None:
+        """One ClientBatch of ``(lane, event)`` pairs."""
+        batch = session_pb2.ClientBatch()
+        for lane, ev in events:
+            batch.events.add(lane=lane).event.CopyFrom(ev)
+        self._out.put_nowait(batch)
+
+    def append_event(self, lane: str, pcm: bytes) -> tuple[str, session_pb2.ClientEvent]:
+        """The next append of ``lane`` (numbered per lane)."""
+        self.seq[lane] = self.seq.get(lane, 0) + 1
+        return lane, session_pb2.ClientEvent(append=session_pb2.InputAudioAppend(seq=self.seq[lane], pcm=pcm))
+
+    def half_close(self) -> None:
+        self._out.put_nowait(None)
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    def of(self, lane: str, kind: str) -> list[session_pb2.ServerEvent]:
+        return [e for e in self.events.get(lane, []) if e.WhichOneof("event") == kind]
+
+    async def wait_until(self, done: Callable[[], bool], *, within: float = 10.0, what: str = "") -> None:
+        async with asyncio.timeout(within):
+            while not done():
+                if self._done.is_set():
+                    raise AssertionError(f"stream ended ({self.status}, {self.error}) before {what or done}")
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def wait_kind(
+        self, lane: str, kind: str, *, within: float = 10.0, count: int = 1
+    ) -> session_pb2.ServerEvent:
+        await self.wait_until(
+            lambda: len(self.of(lane, kind)) >= count, within=within, what=f"{lane}: {kind}"
+        )
+        return self.of(lane, kind)[count - 1]
+
+    async def wait_ended(self, lane: str, *, within: float = 10.0) -> session_pb2.LaneEnded:
+        await self.wait_until(lambda: lane in self.ended, within=within, what=f"{lane} ended")
+        return self.ended[lane][-1]
+
+    async def wait_done(self, within: float = 10.0) -> None:
+        async with asyncio.timeout(within):
+            await self._done.wait()
+
+
 class FakeLink:
     """A worker link for runners without processes: records what the runner hands to the worker;
     every write succeeds at once, unless ``fail_next`` says how many next ones fail."""

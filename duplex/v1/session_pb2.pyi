@@ -62,6 +62,154 @@ in `opened.last_response` after a resume).
 Global___ResponseStatus: _TypeAlias = ResponseStatus  # noqa: Y015
 
 @_typing.final
+class ClientBatch(_message.Message):
+    """Client events of several lanes, in order within each lane."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaneEvent]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___LaneEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClientBatch: _TypeAlias = ClientBatch  # noqa: Y015
+
+@_typing.final
+class LaneEvent(_message.Message):
+    """One client event of one lane."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LANE_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    lane: _builtins.str
+    """The client's name for the lane on this stream: 1..64 printable ASCII
+    characters. A name is free again once its lane has ended.
+    """
+    @_builtins.property
+    def event(self) -> Global___ClientEvent:
+        """The event, exactly as on `Converse`."""
+
+    def __init__(
+        self,
+        *,
+        lane: _builtins.str = ...,
+        event: Global___ClientEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "lane", b"lane"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaneEvent: _TypeAlias = LaneEvent  # noqa: Y015
+
+@_typing.final
+class ServerBatch(_message.Message):
+    """Server output of several lanes, in order within each lane."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaneOutput]: ...
+    def __init__(
+        self,
+        *,
+        outputs: _abc.Iterable[Global___LaneOutput] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServerBatch: _TypeAlias = ServerBatch  # noqa: Y015
+
+@_typing.final
+class LaneOutput(_message.Message):
+    """One server event of one lane, or its end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LANE_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    lane: _builtins.str
+    """The lane, as the client named it. Empty for an event about the stream
+    itself (an `error` for a message or lane name that could not be used).
+    """
+    @_builtins.property
+    def event(self) -> Global___ServerEvent:
+        """The event, exactly as on `Converse`."""
+
+    @_builtins.property
+    def ended(self) -> Global___LaneEnded:
+        """The lane is over; nothing more comes for it."""
+
+    def __init__(
+        self,
+        *,
+        lane: _builtins.str = ...,
+        event: Global___ServerEvent | None = ...,
+        ended: Global___LaneEnded | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "event", b"event", "output", b"output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "event", b"event", "lane", b"lane", "output", b"output"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_output: _TypeAlias = _typing.Literal["event", "ended"]  # noqa: Y015
+    _WhichOneofArgType_output: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_output) -> _WhichOneofReturnType_output | None: ...
+
+Global___LaneOutput: _TypeAlias = LaneOutput  # noqa: Y015
+
+@_typing.final
+class LaneEnded(_message.Message):
+    """How a lane ended: the status a `Converse` call would have ended with."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RETRYABLE_FIELD_NUMBER: _builtins.int
+    status: _builtins.int
+    """The gRPC status code (0 = OK: the session closed, or the lane was
+    displaced by a resume elsewhere).
+    """
+    code: _builtins.str
+    """The stable error code ("" when OK), as in `Error.code`."""
+    message: _builtins.str
+    """What went wrong, for people."""
+    retryable: _builtins.bool
+    """Whether trying again (a new open, or a resume) may succeed."""
+    def __init__(
+        self,
+        *,
+        status: _builtins.int = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        retryable: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retryable", b"retryable", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaneEnded: _TypeAlias = LaneEnded  # noqa: Y015
+
+@_typing.final
 class TurnDetection(_message.Message):
     """Server-side turn detection settings."""
 

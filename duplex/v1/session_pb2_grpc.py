@@ -40,6 +40,11 @@ class DuplexSessionStub:
                 request_serializer=duplex_dot_v1_dot_session__pb2.ClientEvent.SerializeToString,
                 response_deserializer=duplex_dot_v1_dot_session__pb2.ServerEvent.FromString,
                 _registered_method=True)
+        self.ConverseMany = channel.stream_stream(
+                '/duplex.v1.DuplexSession/ConverseMany',
+                request_serializer=duplex_dot_v1_dot_session__pb2.ClientBatch.SerializeToString,
+                response_deserializer=duplex_dot_v1_dot_session__pb2.ServerBatch.FromString,
+                _registered_method=True)
 
 
 class DuplexSessionServicer:
@@ -57,6 +62,23 @@ class DuplexSessionServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConverseMany(self, request_iterator, context):
+        """Holds many sessions of one caller on one stream, for a backend that
+        serves many conversations: each message carries events of several
+        sessions ("lanes"), so the per-message cost of the stream is shared.
+        A lane is what one `Converse` call is: its first event must be `open` or
+        `resume`, its events keep their order, and it ends with `LaneEnded`
+        (where `Converse` would end with a status). Lanes never see each other's
+        events. A half-close closes every lane's session; a dropped stream
+        leaves them for a resume, as `Converse` does. The call itself ends with
+        UNAUTHENTICATED (bad credentials), INVALID_ARGUMENT (no open in time, or
+        only junk) or RESOURCE_EXHAUSTED ("slow_consumer": the client stopped
+        reading). See docs/lanes.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DuplexSessionServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -64,6 +86,11 @@ def add_DuplexSessionServicer_to_server(servicer, server):
                     servicer.Converse,
                     request_deserializer=duplex_dot_v1_dot_session__pb2.ClientEvent.FromString,
                     response_serializer=duplex_dot_v1_dot_session__pb2.ServerEvent.SerializeToString,
+            ),
+            'ConverseMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.ConverseMany,
+                    request_deserializer=duplex_dot_v1_dot_session__pb2.ClientBatch.FromString,
+                    response_serializer=duplex_dot_v1_dot_session__pb2.ServerBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -94,6 +121,33 @@ class DuplexSession:
             '/duplex.v1.DuplexSession/Converse',
             duplex_dot_v1_dot_session__pb2.ClientEvent.SerializeToString,
             duplex_dot_v1_dot_session__pb2.ServerEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConverseMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/duplex.v1.DuplexSession/ConverseMany',
+            duplex_dot_v1_dot_session__pb2.ClientBatch.SerializeToString,
+            duplex_dot_v1_dot_session__pb2.ServerBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,19 @@ class DuplexSessionStub:
     FAILED_PRECONDITION; a bad later event is answered with an `error` event
     and the session goes on.
     """
+    ConverseMany: _grpc.StreamStreamMultiCallable[_session_pb2.ClientBatch, _session_pb2.ServerBatch]
+    """Holds many sessions of one caller on one stream, for a backend that
+    serves many conversations: each message carries events of several
+    sessions ("lanes"), so the per-message cost of the stream is shared.
+    A lane is what one `Converse` call is: its first event must be `open` or
+    `resume`, its events keep their order, and it ends with `LaneEnded`
+    (where `Converse` would end with a status). Lanes never see each other's
+    events. A half-close closes every lane's session; a dropped stream
+    leaves them for a resume, as `Converse` does. The call itself ends with
+    UNAUTHENTICATED (bad credentials), INVALID_ARGUMENT (no open in time, or
+    only junk) or RESOURCE_EXHAUSTED ("slow_consumer": the client stopped
+    reading). See docs/lanes.md.
+    """
 
 @_typing.type_check_only
 class DuplexSessionAsyncStub(DuplexSessionStub):
@@ -64,6 +77,19 @@ class DuplexSessionAsyncStub(DuplexSessionStub):
     with INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED or
     FAILED_PRECONDITION; a bad later event is answered with an `error` event
     and the session goes on.
+    """
+    ConverseMany: _aio.StreamStreamMultiCallable[_session_pb2.ClientBatch, _session_pb2.ServerBatch]  # type: ignore[assignment]
+    """Holds many sessions of one caller on one stream, for a backend that
+    serves many conversations: each message carries events of several
+    sessions ("lanes"), so the per-message cost of the stream is shared.
+    A lane is what one `Converse` call is: its first event must be `open` or
+    `resume`, its events keep their order, and it ends with `LaneEnded`
+    (where `Converse` would end with a status). Lanes never see each other's
+    events. A half-close closes every lane's session; a dropped stream
+    leaves them for a resume, as `Converse` does. The call itself ends with
+    UNAUTHENTICATED (bad credentials), INVALID_ARGUMENT (no open in time, or
+    only junk) or RESOURCE_EXHAUSTED ("slow_consumer": the client stopped
+    reading). See docs/lanes.md.
     """
 
 class DuplexSessionServicer(metaclass=_abc_1.ABCMeta):
@@ -80,6 +106,25 @@ class DuplexSessionServicer(metaclass=_abc_1.ABCMeta):
         with INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED or
         FAILED_PRECONDITION; a bad later event is answered with an `error` event
         and the session goes on.
+        """
+
+    @_abc_1.abstractmethod
+    def ConverseMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_session_pb2.ClientBatch],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_session_pb2.ServerBatch], _abc.AsyncIterator[_session_pb2.ServerBatch]]:
+        """Holds many sessions of one caller on one stream, for a backend that
+        serves many conversations: each message carries events of several
+        sessions ("lanes"), so the per-message cost of the stream is shared.
+        A lane is what one `Converse` call is: its first event must be `open` or
+        `resume`, its events keep their order, and it ends with `LaneEnded`
+        (where `Converse` would end with a status). Lanes never see each other's
+        events. A half-close closes every lane's session; a dropped stream
+        leaves them for a resume, as `Converse` does. The call itself ends with
+        UNAUTHENTICATED (bad credentials), INVALID_ARGUMENT (no open in time, or
+        only junk) or RESOURCE_EXHAUSTED ("slow_consumer": the client stopped
+        reading). See docs/lanes.md.
         """
 
 def add_DuplexSessionServicer_to_server(servicer: DuplexSessionServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

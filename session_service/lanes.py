@@ -1,0 +1,370 @@
+"""``ConverseMany``: many sessions ("lanes") of one caller on one stream.
+
+A backend that holds many conversations pays gRPC's per-message cost once per message, not once
+per event: each ``ClientBatch`` carries events of several lanes, and each ``ServerBatch`` carries
+whatever all of the stream's lanes have to say at that moment. A lane is what one ``Converse``
+call is, and reuses all of it: the same runner, the same single outbound queue (so nothing
+overtakes ``audio_cancelled``), the same attach, detach and resume.
+
+- The stream's **reader** routes each event to its lane, in order. A lane's first event must be
+  ``open`` or ``resume``; it is started in a task of its own (an open waits on a worker: the
+  other lanes go on meanwhile), and its later events wait, bounded, until it is open.
+- Each lane's **pump** takes what its session's queue holds (up to ``MAX_DRAIN`` events) into the
+  stream's next message, and asks for more only once that message is written: so, as on
+  ``Converse``, the queue knows when a lane's last event is out (a resume elsewhere waits for it).
+- The handler **writes** one ``ServerBatch`` with everything the pumps gave since the last write.
+
+One stream shares one flow control: a lane whose session's mailbox is full holds up the stream's
+reading (as it would hold up its own ``Converse`` stream), and a client that stops reading is cut
+off as a slow consumer, every lane with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, InternalError, abort
+from duplex.v1 import session_pb2
+from session_service.calls import (
+    HALF_CLOSE_GRACE_S,
+    MAX_REFUSED_BEFORE_OPEN,
+    UNPARSABLE,
+    not_open_error,
+    open_or_resume,
+    read_messages,
+    write_message,
+)
+from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN
+from session_service.runner import SessionRunner
+from session_service.sessions import SessionManager
+
+log = logging.getLogger(__name__)
+
+#: Lanes one stream may hold (open, or opening) at once. Each lane's session also counts against
+#: the caller's and the replica's session limits.
+MAX_LANES = 1024
+
+#: Longest lane name, in characters (printable ASCII).
+MAX_LANE_NAME = 64
+
+#: Events of one lane taken into one message (the rest go in the next).
+MAX_DRAIN = 64
+
+#: Events a lane holds while its open is under way; beyond it the stream's reading waits.
+MAX_PENDING = 64
+
+_Context = grpc.aio.ServicerContext[session_pb2.ClientBatch, session_pb2.ServerBatch]
+
+
+def lane_name_ok(name: str) -> bool:
+    """Whether ``name`` may name a lane: 1..``MAX_LANE_NAME`` printable ASCII characters."""
+    return 0 < len(name) <= MAX_LANE_NAME and name.isascii() and name.isprintable()
+
+
+def ended(err: DuplexError | None) -> session_pb2.LaneEnded:
+    """How a lane ended: what the ``Converse`` call would have ended with (OK for None)."""
+    if err is None:
+        return session_pb2.LaneEnded()
+    return session_pb2.LaneEnded(
+        status=err.status.value[0], code=err.code, message=err.message, retryable=err.retryable
+    )
+
+
+@dataclass(eq=False, slots=True)
+class _Lane:
+    name: str
+    runner: SessionRunner | None = None
+    attachment: int = 0
+    pending: list[session_pb2.ClientEvent] = field(default_factory=list)
+    """Events that came while the open was under way (or are being handed on after it)."""
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once ``pending`` is handed on (or the open failed): the reader may post directly."""
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class LaneStream:
+    """One ``ConverseMany`` call."""
+
+    def __init__(
+        self, manager: SessionManager, context: _Context, *, principal: str, open_timeout_s: float
+    ) -> None:
+        self._manager = manager
+        self._context = context
+        self._principal = principal
+        self._open_timeout_s = open_timeout_s
+        self._lanes: dict[str, _Lane] = {}
+        self._out: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]] = []
+        self._wake = asyncio.Event()
+        self._flushed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._refused = 0
+        self._opened_any = False
+        self._half_closed = False
+        self._dropped = False
+        self._cut: asyncio.Task[None] | None = None
+        self._writing: asyncio.Future[bool] | None = None
+
+    async def run(self) -> None:
+        reader = asyncio.create_task(self._read())
+        try:
+            await self._write_loop()
+            if self._cut is not None:
+                await self._cut  # the call ends with the status given there, not OK
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            await self._let_go()
+
+    # ---- writing -----------------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        while not (self._dropped or self._cut is not None):
+            if not self._out:
+                if self._half_closed and not self._lanes:
+                    return  # every lane ended after the client half-closed: the call is done
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = session_pb2.ServerBatch()
+            for lane, item in self._out:
+                out = batch.outputs.add(lane=lane)
+                if isinstance(item, session_pb2.LaneEnded):
+                    out.ended.CopyFrom(item)
+                else:
+                    out.event.CopyFrom(item)
+            self._out = []
+            flushed, self._flushed = self._flushed, asyncio.get_running_loop().create_future()
+            # A task of its own, so that a cut-off can stop a write stuck on a client that does not
+            # read (a message of many lanes' events can be larger than the client's window).
+            self._writing = asyncio.ensure_future(
+                write_message(self._context, batch, ended=lambda: self._cut is not None)
+            )
+            try:
+                ok = await self._writing
+            except asyncio.CancelledError:
+                if self._cut is None:
+                    raise
+                ok = False
+            flushed.set_result(ok)
+            if not ok:
+                return
+
+    def _put(self, lane: str, item: session_pb2.ServerEvent | session_pb2.LaneEnded) -> None:
+        self._out.append((lane, item))
+        self._wake.set()
+
+    def _stream_error(self, code: ErrorCode, message: str, event_id: str = "") -> None:
+        """An ``error`` about the stream itself (lane ""): a message or a lane name not usable."""
+        ERRORS_BY_CODE[code.value].inc()
+        self._refused += 1
+        self._put(
+            "",
+            session_pb2.ServerEvent(
+                event_id=f"pre_{self._refused}",
+                error=session_pb2.Error(code=code.value, message=message, event_id=event_id),
+            ),
+        )
+
+    def _end_call(self, err: DuplexError) -> None:
+        """End the whole call with ``err``'s status, from any task (the handler may be blocked
+        writing to a client that does not read)."""
+        if self._cut is None:
+            ERRORS_BY_CODE[err.code].inc()
+            self._cut = asyncio.create_task(self._abort(err))
+            self._wake.set()
+            if self._writing is not None:
+                self._writing.cancel()
+
+    async def _abort(self, err: DuplexError) -> None:
+        with contextlib.suppress(Exception):  # AbortError: the call is ended (or was already)
+            await abort(self._context, err)
+
+    def _slow_consumer(self) -> None:
+        self._end_call(
+            CapacityError(
+                ErrorCode.SLOW_CONSUMER,
+                "the client did not read its events in time; the stream is closed",
+                retryable=False,
+            )
+        )
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        it = aiter(read_messages(self._context, session_pb2.ClientBatch))
+        deadline = asyncio.get_running_loop().time() + self._open_timeout_s
+        try:
+            while True:
+                try:
+                    if self._opened_any:
+                        batch = await anext(it)
+                    else:
+                        async with asyncio.timeout_at(deadline):
+                            batch = await anext(it)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    self._end_call(BadRequestError(ErrorCode.SESSION_NOT_OPEN, "no open or resume in time"))
+                    return
+                if batch is None:
+                    self._stream_error(
+                        ErrorCode.INVALID_EVENT, UNPARSABLE.replace("ClientEvent", "ClientBatch")
+                    )
+                else:
+                    for item in batch.events:
+                        await self._route(item)
+                if not self._opened_any and self._refused > MAX_REFUSED_BEFORE_OPEN:
+                    self._end_call(
+                        BadRequestError(
+                            ErrorCode.SESSION_NOT_OPEN,
+                            f"no open or resume in the first {MAX_REFUSED_BEFORE_OPEN} events",
+                        )
+                    )
+                    return
+        except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError, grpc.aio.AbortError):
+            self._lost()
+            return
+        except Exception:
+            log.exception("reading a ConverseMany stream failed")
+            self._lost()
+            return
+        # A cancelled RPC also ends the request iterator, a moment before the cancellation is
+        # visible: wait briefly so a dropped stream is not mistaken for a half-close (which closes).
+        await asyncio.sleep(HALF_CLOSE_GRACE_S)
+        if self._context.cancelled() or self._context.done():
+            self._lost()
+            return
+        self._half_closed = True
+        for lane in list(self._lanes.values()):
+            if lane.ready.is_set() and lane.runner is not None:
+                await self._close(lane)  # one still opening closes once open (see _open)
+        self._wake.set()
+
+    def _lost(self) -> None:
+        self._dropped = True
+        self._wake.set()
+
+    async def _route(self, item: session_pb2.LaneEvent) -> None:
+        name, ev = item.lane, item.event
+        if not lane_name_ok(name):
+            self._stream_error(
+                ErrorCode.INVALID_EVENT,
+                f"a lane is named by 1 to {MAX_LANE_NAME} printable ASCII characters",
+                ev.event_id,
+            )
+            return
+        kind = ev.WhichOneof("event")
+        EVENTS_IN[kind or "none"].inc()
+        lane = self._lanes.get(name)
+        if lane is None:
+            if kind not in ("open", "resume"):
+                ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
+                self._refused += 1
+                self._put(name, not_open_error(ev.event_id, self._refused))
+                return
+            if len(self._lanes) >= MAX_LANES:
+                err = CapacityError(ErrorCode.CAPACITY_EXHAUSTED, f"a stream holds at most {MAX_LANES} lanes")
+                ERRORS_BY_CODE[err.code].inc()
+                self._put(name, ended(err))
+                return
+            self._opened_any = True
+            lane = self._lanes[name] = _Lane(name)
+            lane.tasks.append(asyncio.create_task(self._open(lane, ev)))
+            return
+        while not lane.ready.is_set():
+            if len(lane.pending) < MAX_PENDING:
+                lane.pending.append(ev)
+                return
+            await lane.ready.wait()  # the open is slow and the client keeps sending: wait
+        if lane.runner is not None and self._lanes.get(name) is lane:
+            await lane.runner.post(ev)
+        else:
+            await self._route(item)  # the lane ended meanwhile (its open failed): the name is free
+
+    async def _open(self, lane: _Lane, ev: session_pb2.ClientEvent) -> None:
+        try:
+            runner, acks_on_output = await open_or_resume(self._manager, ev, principal=self._principal)
+        except DuplexError as err:
+            self._end_lane(lane, err)
+            return
+        except Exception:
+            log.exception("opening lane %r failed", lane.name)
+            self._end_lane(lane, InternalError(ErrorCode.INTERNAL, "the session could not be opened"))
+            return
+        assert runner is not None  # a lane starts only with open or resume
+        lane.runner = runner
+        lane.attachment = runner.attach_stream(
+            on_slow_consumer=self._slow_consumer, cut_off=self._slow_consumer, acks_on_output=acks_on_output
+        )
+        lane.tasks.append(asyncio.create_task(self._pump(lane)))
+        while lane.pending:  # in order, before anything the reader gets from now on
+            await runner.post(lane.pending.pop(0))
+        lane.ready.set()
+        if self._half_closed:
+            await self._close(lane)
+
+    async def _close(self, lane: _Lane) -> None:
+        runner = lane.runner
+        if runner is not None and runner.outbound.current_attachment == lane.attachment:
+            await runner.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+
+    def _end_lane(self, lane: _Lane, err: DuplexError | None) -> None:
+        if err is not None:
+            ERRORS_BY_CODE[err.code].inc()
+        lane.pending.clear()
+        lane.ready.set()
+        if self._lanes.get(lane.name) is lane:
+            del self._lanes[lane.name]
+        self._put(lane.name, ended(err))
+
+    async def _pump(self, lane: _Lane) -> None:
+        """The lane's session output into the stream's next message, until the session ends
+        (or another stream resumed it: its farewell is the last event)."""
+        assert lane.runner is not None
+        outbound, attachment = lane.runner.outbound, lane.attachment
+        try:
+            while True:
+                ev = await outbound.get(attachment)
+                if ev is None:
+                    break
+                self._put(lane.name, ev)
+                n = 1
+                while n < MAX_DRAIN and outbound.current_attachment == attachment:
+                    more = outbound.get_nowait()
+                    if more is None:
+                        break
+                    self._out.append((lane.name, more))
+                    n += 1
+                if not await self._flushed:  # asks again only once written (see Outbound.get)
+                    return
+        finally:
+            outbound.detached(attachment)
+        self._end_lane(lane, None)
+
+    # ---- the end -----------------------------------------------------------------------------
+
+    async def _let_go(self) -> None:
+        """The call is over: every lane's tasks stop, and a session whose stream this was waits
+        the detached grace for a resume (as after a dropped ``Converse``)."""
+        lanes = list(self._lanes.values())
+        tasks = [t for lane in lanes for t in lane.tasks]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for lane in lanes:
+            runner = lane.runner
+            if (
+                runner is not None
+                and not runner.closed
+                and runner.outbound.current_attachment == lane.attachment
+            ):
+                runner.detach()
+        if not self._flushed.done():
+            self._flushed.set_result(False)
