@@ -41,6 +41,10 @@ class LoadSpec:
     seed: int = 1
     separate_acks: bool = False
     """Open without ``acks_on_output`` (every ack an event of its own, sent at hand-on)."""
+    lanes: bool = False
+    """Each generator's sessions on one ``ConverseMany`` stream, their events sent together."""
+    flush_ms: float = 0.0
+    """With ``lanes``: how often a generator sends its sessions' pending events (0 = every append)."""
 
 
 @dataclass
@@ -112,6 +116,7 @@ def run_load(
                             "--out",
                             str(outs[i]),
                             *(["--separate-acks"] if spec.separate_acks else []),
+                            *(["--lanes", "--flush-ms", f"{spec.flush_ms:g}"] if spec.lanes else []),
                         ],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,

@@ -23,6 +23,10 @@ Modes:
   ``--cycle`` worker frames and asks for a response as soon as none is active (manual turns, no
   barge-in), so nearly every input frame has a reply frame playing alongside it. For CPU per frame.
 
+With ``--lanes`` the process holds all its sessions as lanes of ONE ``ConverseMany`` stream, as a
+backend serving many callers would: each session keeps its own phase, and every ``--flush-ms`` one
+message carries the events of every session whose append fell due since the last one.
+
 Protocol with the orchestrator, JSON lines: this process prints ``{"event": "ready"}`` once every
 session is open; it then reads one line ``{"start": T0, "window": [A, B], "end": E}`` (times on
 ``time.monotonic()``, which is system-wide on Linux), streams from T0 to E, measures what happens
@@ -31,8 +35,9 @@ in the window [A, B], closes its sessions, writes its result to ``--out`` and pr
 
 What it measures (client-side receive times, ``time.monotonic()``):
 
-* ack latency: from just before an append is written to the receipt of the ``input_ack`` covering
-  it, for appends written in the window;
+* ack latency: from just before an append is written (with ``--lanes``: from its deadline, so the
+  wait for the next flush counts) to the receipt of the ack covering it, for appends written in
+  the window;
 * lateness: how long after its deadline each append of the window was written (the generator's
   own schedule);
 * turns (``committed`` events received in the window): first-audio latency from the ``committed``
@@ -122,7 +127,7 @@ class Turn:
     committed: float
     """When the ``committed`` event was received."""
     first_audio: float | None = None
-    status: int | None = None
+    status: session_pb2.ResponseStatus.ValueType | None = None
     reason: str = ""
     audio_ms: int = 0
 
@@ -162,6 +167,9 @@ class SessionLoad:
     # duplex mode
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     want_response: bool = False
+    since_commit_bytes: int = 0
+    lane: str = ""
+    """Its lane on the generator's one ConverseMany stream (``--lanes``)."""
 
 
 class Generator:
@@ -180,6 +188,8 @@ class Generator:
         self.sessions: list[SessionLoad] = []
         self.window: Window | None = None
         self.frames_per_cycle = args.cycle
+        self.lane_call: Any = None
+        """``--lanes``: the one ConverseMany call of all sessions."""
 
     # ---- opening ---------------------------------------------------------------------------
 
@@ -193,17 +203,7 @@ class Generator:
             index = args.first_index + i
             async with sem:
                 call = stub.Converse()
-                td = session_pb2.TurnDetection(
-                    auto_respond=args.mode == "speech", barge_in=args.mode == "speech", silence_ms=0
-                )
-                cfg = session_pb2.SessionConfig(input_format=PCM16K_MONO.to_proto(), turn_detection=td)
-                await call.write(
-                    session_pb2.ClientEvent(
-                        open=session_pb2.SessionOpen(
-                            model=args.model, config=cfg, acks_on_output=not args.separate_acks
-                        )
-                    )
-                )
+                await call.write(self._open_event())
                 ev = await asyncio.wait_for(call.read(), args.open_timeout_s)
                 if ev is grpc.aio.EOF or ev.WhichOneof("event") != "opened":
                     code = await call.code() if ev is grpc.aio.EOF else None
@@ -217,58 +217,166 @@ class Generator:
             s.idle.set()
             return s
 
+        if args.lanes:
+            await self._open_lanes(stub, rng, appends_on_tape)
+            return
         self.sessions = list(await asyncio.gather(*(one(i) for i in range(args.sessions))))
+
+    async def _open_lanes(self, stub: Any, rng: random.Random, appends_on_tape: int) -> None:
+        """``--lanes``: every session a lane of ONE ConverseMany stream, opened in one message."""
+        args = self.args
+        call = self.lane_call = stub.ConverseMany()
+        batch = session_pb2.ClientBatch()
+        for i in range(args.sessions):
+            index = args.first_index + i
+            s = SessionLoad(
+                index=index,
+                call=call,
+                tape_offset=rng.randrange(appends_on_tape) * self.append_bytes,
+                phase_s=(index / max(1, args.total)) * self.append_s,
+                lane=str(index),
+            )
+            s.idle.set()
+            self.sessions.append(s)
+            batch.events.add(lane=s.lane, event=self._open_event())
+        await call.write(batch)
+        waiting = {s.lane for s in self.sessions}
+        async with asyncio.timeout(args.open_timeout_s):
+            while waiting:
+                got = await call.read()
+                if got is grpc.aio.EOF:
+                    raise RuntimeError(f"the stream ended: {await call.code()}")
+                for out in got.outputs:
+                    if out.HasField("ended"):
+                        raise RuntimeError(f"lane {out.lane} did not open: {out.ended}")
+                    if out.event.WhichOneof("event") == "opened":
+                        waiting.discard(out.lane)
+
+    def _open_event(self) -> session_pb2.ClientEvent:
+        args = self.args
+        td = session_pb2.TurnDetection(
+            auto_respond=args.mode == "speech", barge_in=args.mode == "speech", silence_ms=0
+        )
+        cfg = session_pb2.SessionConfig(input_format=PCM16K_MONO.to_proto(), turn_detection=td)
+        return session_pb2.ClientEvent(
+            open=session_pb2.SessionOpen(model=args.model, config=cfg, acks_on_output=not args.separate_acks)
+        )
 
     # ---- streaming -------------------------------------------------------------------------
 
-    async def send(self, s: SessionLoad, w: Window) -> None:
-        tape, ab, step = self.tape, self.append_bytes, self.append_s
-        n_tape = len(tape)
+    def _tick(self, s: SessionLoad, w: Window, due: float, now: float) -> list[session_pb2.ClientEvent]:
+        """The events session ``s`` writes at its append due at ``due`` (written at ``now``): the
+        append, and in duplex mode a commit every cycle and a response as soon as none is
+        active; the append's send time and lateness are noted."""
+        if w.a <= due < w.b:
+            s.late_ms.append(1000.0 * (now - due))
+            s.sent_in_window += 1
+        seq = s.last_seq = s.last_seq + 1
+        if seq < len(s.sent):
+            # On lanes the audio waited for the flush since its deadline: its ack counts from there.
+            s.sent[seq] = due if s.lane else now
+        ab = self.append_bytes
         off = s.tape_offset
-        n = int((w.end - w.start) / step) + 2
+        events = [
+            session_pb2.ClientEvent(
+                append=session_pb2.InputAudioAppend(seq=seq, pcm=self.tape[off : off + ab])
+            )
+        ]
+        s.tape_offset = off + ab if off + ab < len(self.tape) else 0
+        if self.args.mode == "duplex":
+            s.since_commit_bytes += ab
+            if s.since_commit_bytes >= self.frames_per_cycle * FRAME_SAMPLES * SAMPLE_BYTES:
+                s.since_commit_bytes = 0
+                events.append(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
+                s.want_response = True
+            if s.want_response and s.idle.is_set():
+                s.want_response = False
+                s.idle.clear()
+                events.append(session_pb2.ClientEvent(response_create=session_pb2.ResponseCreate()))
+        return events
+
+    def _appends(self, w: Window) -> int:
+        return int((w.end - w.start) / self.append_s) + 2
+
+    async def send(self, s: SessionLoad, w: Window) -> None:
+        n = self._appends(w)
         s.sent = np.zeros(n + 1)
         due = w.start + s.phase_s
-        seq = 0
-        frame_bytes = FRAME_SAMPLES * SAMPLE_BYTES
-        since_commit_bytes = 0
-        duplex = self.args.mode == "duplex"
-        cycle_bytes = self.frames_per_cycle * frame_bytes
         write = s.call.write
-        loop = asyncio.get_running_loop()
         clock = time.monotonic
-        while due < w.end and seq < n:
+        while due < w.end and s.last_seq < n:
             delay = due - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
+            for ev in self._tick(s, w, due, clock()):
+                await write(ev)
+            due += self.append_s
+
+    async def send_lanes(self, call: Any, w: Window) -> None:
+        """``--lanes``: every ``--flush-ms``, ONE message with the events of every session whose
+        append fell due since the last (each session keeps its own phase, so an append waits for
+        the next flush: its ack latency counts that wait)."""
+        n = self._appends(w)
+        flush_s = (self.args.flush_ms or self.args.append_ms) / 1000.0
+        due = {s.lane: w.start + s.phase_s for s in self.sessions}
+        for s in self.sessions:
+            s.sent = np.zeros(n + 1)
+        at = w.start + min(s.phase_s for s in self.sessions)
+        clock = time.monotonic
+        while at < w.end:
+            delay = at - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
             now = clock()
-            in_window = w.a <= due < w.b
-            if in_window:
-                s.late_ms.append(1000.0 * (now - due))
-            seq += 1
-            s.sent[seq] = now
-            s.last_seq = seq
-            if in_window:
-                s.sent_in_window += 1
-            await write(
-                session_pb2.ClientEvent(
-                    append=session_pb2.InputAudioAppend(seq=seq, pcm=tape[off : off + ab])
-                )
-            )
-            off += ab
-            if off >= n_tape:
-                off = 0
-            if duplex:
-                since_commit_bytes += ab
-                if since_commit_bytes >= cycle_bytes:
-                    since_commit_bytes = 0
-                    await write(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
-                    s.want_response = True
-                if s.want_response and s.idle.is_set():
-                    s.want_response = False
-                    s.idle.clear()
-                    await write(session_pb2.ClientEvent(response_create=session_pb2.ResponseCreate()))
-            due += step
-        del loop
+            batch = session_pb2.ClientBatch()
+            for s in self.sessions:
+                d = due[s.lane]
+                while d <= now and d < w.end and s.last_seq < n:
+                    for ev in self._tick(s, w, d, now):
+                        batch.events.add(lane=s.lane, event=ev)
+                    d += self.append_s
+                due[s.lane] = d
+            if batch.events:
+                await call.write(batch)
+            at += flush_s
+
+    def on_event(self, s: SessionLoad, ev: session_pb2.ServerEvent, now: float, w: Window) -> None:
+        kind = ev.WhichOneof("event")
+        ack = ev.input_ack if kind == "input_ack" else ev.carried_ack if ev.HasField("carried_ack") else None
+        if ack is not None:
+            seq = ack.seq
+            sent = s.sent
+            for k in range(s.acked_upto + 1, min(seq, len(sent) - 1) + 1):
+                t = sent[k]
+                if w.a <= t < w.b:
+                    s.ack_lat_ms.append(1000.0 * (now - t))
+                    s.acked_in_window += 1
+            if seq > s.acked_upto:
+                s.acked_upto = seq
+        if kind == "audio_delta":
+            turn = s.reply_turn
+            if turn is not None and turn.first_audio is None:
+                turn.first_audio = now
+            if w.a <= now < w.b:
+                s.reply_bytes_window += len(ev.audio_delta.pcm)
+        elif kind == "committed":
+            s.turns.append(Turn(committed=now))
+        elif kind == "response_started":
+            s.reply_turn = s.turns[-1] if s.turns else None
+        elif kind == "response_done":
+            turn = s.reply_turn
+            if turn is not None:
+                turn.status = ev.response_done.status
+                turn.reason = ev.response_done.reason
+                turn.audio_ms = ev.response_done.audio_ms
+            s.reply_turn = None
+            s.idle.set()
+        elif kind == "audio_cancelled":
+            s.cancelled += 1
+        elif kind == "error":
+            s.errors.append(ev.error.code)
+        elif kind == "closed":
+            s.closed.append(ev.closed.reason)
 
     async def read(self, s: SessionLoad, w: Window) -> None:
         clock = time.monotonic
@@ -279,49 +387,7 @@ class Generator:
                 ev = await read()
                 if ev is eof:
                     break
-                now = clock()
-                kind = ev.WhichOneof("event")
-                ack = (
-                    ev.input_ack
-                    if kind == "input_ack"
-                    else ev.carried_ack
-                    if ev.HasField("carried_ack")
-                    else None
-                )
-                if ack is not None:
-                    seq = ack.seq
-                    sent = s.sent
-                    for k in range(s.acked_upto + 1, min(seq, len(sent) - 1) + 1):
-                        t = sent[k]
-                        if w.a <= t < w.b:
-                            s.ack_lat_ms.append(1000.0 * (now - t))
-                            s.acked_in_window += 1
-                    if seq > s.acked_upto:
-                        s.acked_upto = seq
-                if kind == "audio_delta":
-                    turn = s.reply_turn
-                    if turn is not None and turn.first_audio is None:
-                        turn.first_audio = now
-                    if w.a <= now < w.b:
-                        s.reply_bytes_window += len(ev.audio_delta.pcm)
-                elif kind == "committed":
-                    s.turns.append(Turn(committed=now))
-                elif kind == "response_started":
-                    s.reply_turn = s.turns[-1] if s.turns else None
-                elif kind == "response_done":
-                    turn = s.reply_turn
-                    if turn is not None:
-                        turn.status = ev.response_done.status
-                        turn.reason = ev.response_done.reason
-                        turn.audio_ms = ev.response_done.audio_ms
-                    s.reply_turn = None
-                    s.idle.set()
-                elif kind == "audio_cancelled":
-                    s.cancelled += 1
-                elif kind == "error":
-                    s.errors.append(ev.error.code)
-                elif kind == "closed":
-                    s.closed.append(ev.closed.reason)
+                self.on_event(s, ev, clock(), w)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 s.failure = f"{exc.code().name}: {exc.details()}"
@@ -330,6 +396,35 @@ class Generator:
         except Exception as exc:
             s.failure = repr(exc)
 
+    async def read_lanes(self, call: Any, w: Window) -> None:
+        """``--lanes``: the stream's messages, each output handed to its session."""
+        by_lane = {s.lane: s for s in self.sessions}
+        clock = time.monotonic
+        try:
+            while True:
+                batch = await call.read()
+                if batch is grpc.aio.EOF:
+                    break
+                now = clock()
+                for out in batch.outputs:
+                    s = by_lane.get(out.lane)
+                    if s is None:
+                        continue
+                    if out.HasField("ended"):
+                        if out.ended.status:
+                            s.failure = f"lane ended: {out.ended.code}: {out.ended.message}"
+                        continue
+                    self.on_event(s, out.event, now, w)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                for s in self.sessions:
+                    s.failure = s.failure or f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            for s in self.sessions:
+                s.failure = s.failure or repr(exc)
+
     async def snapshot_at_b(self, w: Window) -> None:
         await asyncio.sleep(max(0.0, w.b - time.monotonic()))
         for s in self.sessions:
@@ -337,6 +432,9 @@ class Generator:
 
     async def run(self, w: Window) -> None:
         self.window = w
+        if self.lane_call is not None:
+            await self._run_lanes(self.lane_call, w)
+            return
         readers = [asyncio.create_task(self.read(s, w)) for s in self.sessions]
         senders = [asyncio.create_task(self.send(s, w)) for s in self.sessions]
         snap = asyncio.create_task(self.snapshot_at_b(w))
@@ -359,6 +457,23 @@ class Generator:
         for s in self.sessions:
             with contextlib.suppress(Exception):
                 s.call.cancel()
+
+    async def _run_lanes(self, call: Any, w: Window) -> None:
+        reader = asyncio.create_task(self.read_lanes(call, w))
+        snap = asyncio.create_task(self.snapshot_at_b(w))
+        try:
+            await self.send_lanes(call, w)
+        except Exception as exc:
+            for s in self.sessions:
+                s.failure = s.failure or f"sending failed: {exc!r}"
+        await snap
+        with contextlib.suppress(Exception):
+            await call.done_writing()  # a half-close closes every lane's session
+        _, pending = await asyncio.wait([reader], timeout=10.0)
+        for t in pending:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            call.cancel()
 
     # ---- results ---------------------------------------------------------------------------
 
@@ -478,6 +593,18 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="open without acks_on_output: every ack an input_ack event of its own, sent when the "
         "append is handed on (as a client that does not read carried_ack gets them)",
+    )
+    p.add_argument(
+        "--lanes",
+        action="store_true",
+        help="all sessions of this process on ONE ConverseMany stream, their events sent together "
+        "every --flush-ms",
+    )
+    p.add_argument(
+        "--flush-ms",
+        type=float,
+        default=0.0,
+        help="--lanes: how often the stream's pending events go out in one message (0 = every append period)",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--open-timeout-s", type=float, default=30.0)

@@ -57,6 +57,20 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
         None,
         -1,
     ),
+    (
+        "session_cpu_us_per_frame_lanes",
+        "session service CPU per session-frame, sessions as lanes of one ConverseMany stream",
+        "µs",
+        None,
+        -1,
+    ),
+    (
+        "worker_cpu_us_per_frame_lanes",
+        "worker CPU per session-frame, sessions as lanes of one ConverseMany stream",
+        "µs",
+        None,
+        -1,
+    ),
     ("model_cpu_us_per_frame", "model alone CPU per frame, same batch", "µs", None, -1),
     (
         "model_reply_us_per_frame",
@@ -73,6 +87,14 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
     ("e2e_ratio_synthetic_b64", "end-to-end / model alone, synthetic B=64", "ratio", 0.3, +1),
     ("model_largest_batch_32ms", "largest parrot batch stepped within 32 ms", "B", None, +1),
 ]
+
+
+#: Figures the baseline has no key of its own for, and the baseline figure they are the "after"
+#: of: the session tier's CPU with the clients on lanes, against one stream per session.
+BASELINE_OF = {
+    "session_cpu_us_per_frame_lanes": "session_cpu_us_per_frame",
+    "worker_cpu_us_per_frame_lanes": "worker_cpu_us_per_frame",
+}
 
 
 def load_sections(results: Path) -> dict[str, Any]:
@@ -126,6 +148,10 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
         "worker_cpu_us_per_frame_step_interval": _get(
             tiers, "step_interval_compared", "cpu_us_per_frame", "worker"
         ),
+        "session_cpu_us_per_frame_lanes": _get(tiers, "lanes_compared", "cpu_us_per_frame", "session"),
+        "worker_cpu_us_per_frame_lanes": _get(tiers, "lanes_compared", "cpu_us_per_frame", "worker"),
+        "lanes_flush_ms": _get(tiers, "lanes_compared", "flush_ms"),
+        "lanes_ack_p99_ms": _get(tiers, "lanes_compared", "ack_p99_ms"),
         "tiers_mean_batch": _get(tiers, "mean_batch"),
         "tiers_held_real_time": _get(tiers, "held_real_time"),
         "session_kernel_us_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "kernel_us"),
@@ -306,7 +332,7 @@ def markdown(
         )
         rows = []
         for key, label, unit, _target, direction in HEADLINE:
-            b, v = baseline.get(key), latest.get(key)
+            b, v = baseline.get(key, baseline.get(BASELINE_OF.get(key, ""))), latest.get(key)
             change = "—"
             if isinstance(b, int | float) and isinstance(v, int | float) and b:
                 ratio = v / b
@@ -323,7 +349,7 @@ def markdown(
         add(notes.strip() + "\n")
 
     _capacity_md(add, sec.get("capacity"), plots)
-    _tiers_md(add, sec.get("tiers"), plots)
+    _tiers_md(add, sec.get("tiers"), plots, baseline)
     _hop_md(add, sec.get("hop_latency"), sec.get("grpc_hop"), plots)
     _e2e_md(add, sec.get("e2e_bench"), plots)
     _model_md(add, sec.get("model_steps"), plots)
@@ -442,7 +468,9 @@ def _capacity_md(add: Any, cap: dict[str, Any] | None, plots: dict[str, str]) ->
         add(f"Profile skipped: {prof.get('skipped')}\n")
 
 
-def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None:
+def _tiers_md(
+    add: Any, t: dict[str, Any] | None, plots: dict[str, str], baseline: dict[str, Any] | None
+) -> None:
     add("## CPU per session-frame, per tier\n")
     if not t:
         add("Not measured.\n")
@@ -566,6 +594,48 @@ def _tiers_md(add: Any, t: dict[str, Any] | None, plots: dict[str, str]) -> None
                     ],
                     ["worker µs per session-frame", f(us.get("worker"), ".0f"), f(su.get("worker"), ".0f")],
                     ["ack p99 ms", f(ack, ".1f"), f(si.get("ack_p99_ms"), ".1f")],
+                ],
+            )
+        )
+        add("")
+    ln = t.get("lanes_compared")
+    if ln:
+        lu = ln["cpu_us_per_frame"]
+        base = _get(baseline, "session_cpu_us_per_frame")
+        add(
+            "The same load from clients that hold their sessions as lanes of one `ConverseMany` stream "
+            f"per generator process (a backend's choice), each sending its sessions' due events together "
+            f"every {ln['flush_ms']:g} ms (an append waits up to that long; its ack latency counts from its "
+            "deadline). Same processes, a window of its own"
+            + ("" if ln["held_real_time"] else "; it did **not** hold real time: " + "; ".join(ln["why"]))
+            + ":\n"
+        )
+        add(
+            _table(
+                ["", "one Converse stream per session", f"lanes, sent every {ln['flush_ms']:g} ms"],
+                [
+                    ["worker's mean batch", f(t.get("mean_batch"), ".1f"), f(ln["mean_batch"], ".1f")],
+                    [
+                        "session service µs per session-frame",
+                        f(us.get("session"), ".0f"),
+                        f(lu.get("session"), ".0f"),
+                    ],
+                    ["worker µs per session-frame", f(us.get("worker"), ".0f"), f(lu.get("worker"), ".0f")],
+                    [
+                        "load generator µs per session-frame",
+                        f(us.get("generator"), ".0f"),
+                        f(lu.get("generator"), ".0f"),
+                    ],
+                    [
+                        "ack p99 ms",
+                        f(_get(t, "load", "ack_ms", "p99"), ".1f"),
+                        f(ln.get("ack_p99_ms"), ".1f"),
+                    ],
+                    [
+                        "session service over the baseline's (one stream per session)",
+                        f(us.get("session") / base if us.get("session") and base else None, ".2f") + "x",
+                        f(lu.get("session") / base if lu.get("session") and base else None, ".2f") + "x",
+                    ],
                 ],
             )
         )

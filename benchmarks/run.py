@@ -124,7 +124,7 @@ def sections(
         (
             "tiers",
             "CPU per session-frame per tier",
-            [*dev, "--sessions", "32", "--compare-step-interval-ms", "8"],
+            [*dev, "--sessions", "32", "--compare-step-interval-ms", "8", "--compare-lanes"],
             180,
         ),
         ("capacity", "capacity: real-time parrot conversations", [*dev, *cap], 600),

@@ -20,6 +20,10 @@ loop (``benchmarks.model_steps``: no engine, no gRPC), after the stack has stopp
 model's other share: computing each reply (once per turn, on its helper threads), per reply frame
 times the reply frames per input frame; so is the transport's floor, a bare grpc.aio echo at the
 client side's message rate (``benchmarks.grpc_echo``).
+With ``--compare-lanes`` a further window runs the same load from clients that hold their
+sessions as lanes of ONE ``ConverseMany`` stream per generator process, each sending its sessions'
+due events together every ``--flush-ms`` (8 ms: an append waits up to that long, and its ack
+latency counts from its deadline); ``--lanes`` runs the main window that way.
 The ratios (session / model, worker / model, session / echo) are what carries over to other
 machines. Each tier's CPU is also split into user space, kernel and context switches.
 """
@@ -63,6 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         help="clients that do not read carried_ack (an input_ack event per append, at hand-on)",
     )
     p.add_argument(
+        "--lanes",
+        action="store_true",
+        help="the clients hold their sessions as lanes of one ConverseMany stream",
+    )
+    p.add_argument(
+        "--flush-ms", type=float, default=8.0, help="lanes: how often a client sends its sessions' events"
+    )
+    p.add_argument(
+        "--compare-lanes",
+        action="store_true",
+        help="also run the load from clients holding their sessions as lanes of one ConverseMany stream",
+    )
+    p.add_argument(
         "--no-compare",
         dest="compare",
         action="store_false",
@@ -90,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds=args.seconds,
         tail_s=1.0,
         separate_acks=args.separate_acks,
+        lanes=args.lanes,
+        flush_ms=args.flush_ms,
     )
     try:
         with stack(
@@ -107,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                 assert st.session is not None
                 pids = {"session": st.session.pid, "worker": st.worker_children[0].pid}
                 other = run_load(st.target, dataclasses.replace(spec, separate_acks=True), pids)
+            # The same load from clients that hold their sessions as lanes of one stream each.
+            lanes = None
+            if args.compare_lanes and not args.lanes:
+                lane_spec = dataclasses.replace(spec, lanes=True)
+                lanes = {"flush_ms": args.flush_ms, **_row("lanes", *_window(st, lane_spec), lane_spec)}
         interval = None
         if args.compare_step_interval_ms > 0:
             # The same load against a worker that steps at most every T ms (a stack of its own).
@@ -119,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 worker_args=[*args.worker_args.split(), "--step-interval-ms", f"{t:g}"],
             ) as st:
                 ri, bi = _window(st, spec)
-            interval = _interval_row(t, ri, bi, spec)
+            interval = {"step_interval_ms": t, **_row(f"--step-interval-ms {t:g}", ri, bi, spec)}
         m = r.merged
         why = judge(m, _criteria(spec), turns=False)
         frames = sum(s["acked"] for s in m["per_session"]) * args.append_ms / FRAME_MS
@@ -180,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "load": row,
         "separate_acks_compared": compared,
         "step_interval_compared": interval,
+        "lanes_compared": lanes,
     }
     model_us = model_at_mean["cpu_us_per_frame"]
     reply_us = result["model_reply_us_per_frame"]
@@ -248,6 +273,21 @@ def main(argv: list[str] | None = None) -> int:
             + ("" if held else " (did NOT hold real time: " + "; ".join(interval["why"]) + ")"),
             flush=True,
         )
+    if lanes is not None:
+        lu = lanes["cpu_us_per_frame"]
+        print(
+            f"  the same load from clients holding their sessions as lanes of one ConverseMany stream, "
+            f"sending every {lanes['flush_ms']:g} ms: mean batch {lanes['mean_batch']:.1f}, session service "
+            f"{fmt(lu['session'], '.0f')}, worker {fmt(lu['worker'], '.0f')}, load generator "
+            f"{fmt(lu['generator'], '.0f')} µs per session-frame, ack p99 {fmt(lanes['ack_p99_ms'])} ms "
+            "(from each append's deadline)"
+            + (
+                ""
+                if lanes["held_real_time"]
+                else " (did NOT hold real time: " + "; ".join(lanes["why"]) + ")"
+            ),
+            flush=True,
+        )
     write_result(args.json, "tiers", result)
     return 0
 
@@ -291,16 +331,13 @@ def _mean_batch(batches: dict[str, tuple[float, float]]) -> tuple[float, float, 
     return (s1 - s0) / (c1 - c0), c1, c0
 
 
-def _interval_row(
-    t: float, r: LoadResult, batches: dict[str, tuple[float, float]], spec: LoadSpec
-) -> dict[str, Any]:
-    """The step-interval window's figures: CPU per session-frame, mean batch, ack p99."""
+def _row(name: str, r: LoadResult, batches: dict[str, tuple[float, float]], spec: LoadSpec) -> dict[str, Any]:
+    """A compared window's figures: CPU per session-frame, mean batch, ack p99."""
     frames = sum(s["acked"] for s in r.merged["per_session"]) * spec.append_ms / FRAME_MS
     if frames <= 0:
-        raise NoMeasurement(f"no input frame was acknowledged in the --step-interval-ms {t:g} window")
+        raise NoMeasurement(f"no input frame was acknowledged in the {name} window")
     why = judge(r.merged, _criteria(spec), turns=False)
     return {
-        "step_interval_ms": t,
         "frames": frames,
         "mean_batch": _mean_batch(batches)[0],
         "cpu_us_per_frame": _per_frame(r.cpu_s, frames),

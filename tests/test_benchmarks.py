@@ -397,6 +397,15 @@ def _sections():
                 "held_real_time": True,
                 "why": [],
             },
+            "lanes_compared": {
+                "flush_ms": 8.0,
+                "frames": 8000.0,
+                "mean_batch": 7.9,
+                "cpu_us_per_frame": {"session": 280.0, "worker": 700.0, "generator": 90.0},
+                "ack_p99_ms": 15.5,
+                "held_real_time": True,
+                "why": [],
+            },
         },
         "hop_latency": {
             "rows": [
@@ -545,6 +554,14 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     assert "| worker µs per session-frame | 1000 | 720 |" in md and "| ack p99 ms | 21.5 | 24.2 |" in md
     assert latest["session_cpu_us_per_frame_step_interval"] == 640.0
     assert latest["worker_cpu_us_per_frame_step_interval"] == 720.0
+    # Clients on lanes of one ConverseMany stream beside one stream per session: a table and figures.
+    assert "| lanes, sent every 8 ms |" in md
+    assert "| session service µs per session-frame | 700 | 280 |" in md
+    assert "| load generator µs per session-frame | 400 | 90 |" in md and "| ack p99 ms | 21.5 | 15.5 |" in md
+    assert (
+        latest["session_cpu_us_per_frame_lanes"] == 280.0 and latest["worker_cpu_us_per_frame_lanes"] == 700.0
+    )
+    assert latest["lanes_flush_ms"] == 8.0 and latest["lanes_ack_p99_ms"] == 15.5
     assert latest["session_kernel_us_per_frame"] == 200.0 and latest["session_switches_per_frame"] == 11.25
     # The transport's floor beside the model's.
     assert "| bare gRPC echo, same message rate (per message pair) | 175 |" in md
@@ -554,11 +571,17 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
         path = paths["plots"] / png
         assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 150_000
     # The next run compares with the baseline.
-    base = dict(first, capacity_sessions=8)
+    base = {k: v for k, v in dict(first, capacity_sessions=8).items() if not k.endswith("_lanes")}
     baseline.write_text(json.dumps(base))
     report.write_all(results, paths, notes_path=tmp_path / "none.md")
     md = paths["markdown"].read_text()
     assert "Compared with the baseline" in md and "2.00x better" in md
+    # The lanes' figures are compared with the baseline's one-stream-per-session figures.
+    assert (
+        "| session service CPU per session-frame, sessions as lanes of one ConverseMany stream | 700.0 | 280.0 | 0.40x better |"
+        in md
+    )
+    assert "| session service over the baseline's (one stream per session) | 1.00x | 0.40x |" in md
 
 
 def test_e2e_refuses_a_stalled_measurement():

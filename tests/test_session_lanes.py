@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from benchmarks import loadgen
 from duplex.audio import PCM16K_MONO
 from duplex.v1 import session_pb2, session_pb2_grpc
 from session_service import calls, lanes
@@ -331,3 +333,39 @@ async def test_lanes_are_authenticated_and_belong_to_the_caller(
             c.half_close()
             await c.wait_done()
         assert alice.status == carol.status == grpc.StatusCode.OK
+
+
+async def test_the_load_generator_holds_its_sessions_as_lanes(stack: InProcessStack) -> None:
+    """``benchmarks.loadgen --lanes`` (what ``tiers --compare-lanes`` measures): its sessions on
+    one stream, every flush one message with the events of every session then due, each
+    session's acks and replies its own."""
+    args = loadgen.parser().parse_args(
+        [
+            *("--target", stack.target, "--sessions", "4", "--mode", "duplex", "--append-ms", "32"),
+            *("--cycle", "8", "--lanes", "--flush-ms", "16", "--out", "unused"),
+        ]
+    )
+    args.total = args.sessions
+    gen = loadgen.Generator(args)
+    async with grpc.aio.insecure_channel(stack.target) as ch:
+        await gen.open_all(session_pb2_grpc.DuplexSessionStub(ch))
+        call = gen.lane_call
+        sizes: list[int] = []
+        write = call.write
+
+        async def counting(batch: session_pb2.ClientBatch) -> None:
+            sizes.append(len({e.lane for e in batch.events}))
+            await write(batch)
+
+        call.write = counting
+        t0 = time.monotonic() + 0.1
+        await gen.run(loadgen.Window(start=t0, a=t0 + 0.5, b=t0 + 2.5, end=t0 + 3.0))
+    result = gen.result()
+    assert result["failed_sessions"] == 0 and result["errors"] == {}, result["failures"]
+    assert all(s["sent"] > 0 and s["acked"] >= s["sent"] - 2 for s in result["per_session"]), result[
+        "per_session"
+    ]
+    assert result["reply_frames"] > 0 and result["answered"] > 0
+    # Four sessions staggered over 32 ms, flushed every 16 ms: two sessions' events per message.
+    assert len(sizes) > 100 and max(sizes) == 2 and sum(sizes) / len(sizes) > 1.5, sizes[:20]
+    assert len(stack.session.manager) == 0  # the half-close closed every lane's session
