@@ -578,8 +578,8 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     assert "Compared with the baseline" in md and "2.00x better" in md
     # The lanes' figures are compared with the baseline's one-stream-per-session figures.
     assert (
-        "| session service CPU per session-frame, sessions as lanes of one ConverseMany stream | 700.0 | 280.0 | 0.40x better |"
-        in md
+        "| session service CPU per session-frame, sessions as lanes of one ConverseMany stream "
+        "| 700.0 | 280.0 | 0.40x better |" in md
     )
     assert "| session service over the baseline's (one stream per session) | 1.00x | 0.40x |" in md
 
