@@ -136,6 +136,8 @@ def run_ramp(
                 tail_s=args.tail,
                 generators=args.generators,
                 separate_acks=not args.carried_acks,
+                lanes=args.lanes,
+                flush_ms=args.flush_ms,
             )
             r = run_load(st.target, spec, pids, during_window=during)
             dead = st.dead_child()
@@ -249,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         help="sessions read acks carried on output (acked once consumed); default: an input_ack "
         "event per append, sent once handed on (the append->ack latency the step is judged by)",
     )
+    p.add_argument(
+        "--lanes",
+        action="store_true",
+        help="each generator holds its sessions as lanes of one ConverseMany stream (acks timed from "
+        "each append's deadline, the wait for the next send included)",
+    )
+    p.add_argument("--flush-ms", type=float, default=8.0, help="--lanes: how often a generator sends")
     p.add_argument("--profile-s", type=int, default=8, help="py-spy the session service this long (0 = no)")
     p.add_argument("--json", default="", help="write the results here (after each ramp too)")
     p.add_argument(

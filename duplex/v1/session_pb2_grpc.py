@@ -73,7 +73,7 @@ class DuplexSessionServicer:
         leaves them for a resume, as `Converse` does. The call itself ends with
         UNAUTHENTICATED (bad credentials), INVALID_ARGUMENT (no open in time, or
         only junk) or RESOURCE_EXHAUSTED ("slow_consumer": the client stopped
-        reading). See docs/lanes.md.
+        reading). See docs/grpc-guide.md, "Many sessions on one stream".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,7 +63,7 @@ class DuplexSessionStub:
     leaves them for a resume, as `Converse` does. The call itself ends with
     UNAUTHENTICATED (bad credentials), INVALID_ARGUMENT (no open in time, or
     only junk) or RESOURCE_EXHAUSTED ("slow_consumer": the client stopped
-    reading). See docs/lanes.md.
+    reading). See docs/grpc-guide.md, "Many sessions on one stream".
     """
 
 @_typing.type_check_only
@@ -89,7 +89,7 @@ class DuplexSessionAsyncStub(DuplexSessionStub):
     leaves them for a resume, as `Converse` does. The call itself ends with
     UNAUTHENTICATED (bad credentials), INVALID_ARGUMENT (no open in time, or
     only junk) or RESOURCE_EXHAUSTED ("slow_consumer": the client stopped
-    reading). See docs/lanes.md.
+    reading). See docs/grpc-guide.md, "Many sessions on one stream".
     """
 
 class DuplexSessionServicer(metaclass=_abc_1.ABCMeta):
@@ -124,7 +124,7 @@ class DuplexSessionServicer(metaclass=_abc_1.ABCMeta):
         leaves them for a resume, as `Converse` does. The call itself ends with
         UNAUTHENTICATED (bad credentials), INVALID_ARGUMENT (no open in time, or
         only junk) or RESOURCE_EXHAUSTED ("slow_consumer": the client stopped
-        reading). See docs/lanes.md.
+        reading). See docs/grpc-guide.md, "Many sessions on one stream".
         """
 
 def add_DuplexSessionServicer_to_server(servicer: DuplexSessionServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
