@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,7 +40,7 @@ from session_service.calls import (
     read_messages,
     write_message,
 )
-from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN
+from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN, LANES
 from session_service.runner import SessionRunner
 from session_service.sessions import SessionManager
 
@@ -58,6 +59,9 @@ MAX_DRAIN = 64
 #: Events a lane holds while its open is under way; beyond it the stream's reading waits.
 MAX_PENDING = 64
 
+#: Size a server message is cut at (what the lanes have to say beyond it goes in the next).
+MAX_MESSAGE_BYTES = 1024 * 1024
+
 _Context = grpc.aio.ServicerContext[session_pb2.ClientBatch, session_pb2.ServerBatch]
 
 
@@ -73,6 +77,27 @@ def ended(err: DuplexError | None) -> session_pb2.LaneEnded:
     return session_pb2.LaneEnded(
         status=err.status.value[0], code=err.code, message=err.message, retryable=err.retryable
     )
+
+
+def _batches(
+    items: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]],
+) -> Iterator[session_pb2.ServerBatch]:
+    """``items`` as messages of about ``MAX_MESSAGE_BYTES`` at most (one item larger than that
+    goes alone), so a client's receive limit (4 MiB by gRPC's default) is never reached."""
+    batch, size = session_pb2.ServerBatch(), 0
+    for lane, item in items:
+        n = item.ByteSize() + len(lane) + 16
+        if size and size + n > MAX_MESSAGE_BYTES:
+            yield batch
+            batch, size = session_pb2.ServerBatch(), 0
+        out = batch.outputs.add(lane=lane)
+        if isinstance(item, session_pb2.LaneEnded):
+            out.ended.CopyFrom(item)
+        else:
+            out.event.CopyFrom(item)
+        size += n
+    if size:
+        yield batch
 
 
 @dataclass(eq=False, slots=True)
@@ -130,29 +155,29 @@ class LaneStream:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = session_pb2.ServerBatch()
-            for lane, item in self._out:
-                out = batch.outputs.add(lane=lane)
-                if isinstance(item, session_pb2.LaneEnded):
-                    out.ended.CopyFrom(item)
-                else:
-                    out.event.CopyFrom(item)
-            self._out = []
+            items, self._out = self._out, []
             flushed, self._flushed = self._flushed, asyncio.get_running_loop().create_future()
-            # A task of its own, so that a cut-off can stop a write stuck on a client that does not
-            # read (a message of many lanes' events can be larger than the client's window).
-            self._writing = asyncio.ensure_future(
-                write_message(self._context, batch, ended=lambda: self._cut is not None)
-            )
-            try:
-                ok = await self._writing
-            except asyncio.CancelledError:
-                if self._cut is None:
-                    raise
-                ok = False
-            flushed.set_result(ok)
+            ok = True
+            for batch in _batches(items):
+                ok = await self._write(batch)
+                if not ok:
+                    break
+            flushed.set_result(ok)  # the pumps whose events these were may take more
             if not ok:
                 return
+
+    async def _write(self, batch: session_pb2.ServerBatch) -> bool:
+        # A task of its own, so that a cut-off can stop a write stuck on a client that does not
+        # read (a message of many lanes' events can be larger than the client's window).
+        self._writing = asyncio.ensure_future(
+            write_message(self._context, batch, ended=lambda: self._cut is not None)
+        )
+        try:
+            return await self._writing
+        except asyncio.CancelledError:
+            if self._cut is None:
+                raise
+            return False
 
     def _put(self, lane: str, item: session_pb2.ServerEvent | session_pb2.LaneEnded) -> None:
         self._out.append((lane, item))
@@ -274,6 +299,7 @@ class LaneStream:
                 return
             self._opened_any = True
             lane = self._lanes[name] = _Lane(name)
+            LANES.inc()
             lane.tasks.append(asyncio.create_task(self._open(lane, ev)))
             return
         while not lane.ready.is_set():
@@ -320,6 +346,7 @@ class LaneStream:
         lane.ready.set()
         if self._lanes.get(lane.name) is lane:
             del self._lanes[lane.name]
+            LANES.dec()
         self._put(lane.name, ended(err))
 
     async def _pump(self, lane: _Lane) -> None:
@@ -352,6 +379,8 @@ class LaneStream:
         """The call is over: every lane's tasks stop, and a session whose stream this was waits
         the detached grace for a resume (as after a dropped ``Converse``)."""
         lanes = list(self._lanes.values())
+        self._lanes.clear()
+        LANES.dec(len(lanes))
         tasks = [t for lane in lanes for t in lane.tasks]
         for t in tasks:
             t.cancel()

@@ -8,6 +8,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 # Counter names omit `_total`: prometheus_client appends it.
 ACTIVE_SESSIONS: Final = Gauge("duplex_session_active_sessions", "Sessions held by this replica.")
+LANES: Final = Gauge(
+    "duplex_session_lanes", "Lanes of ConverseMany streams on this replica (open, or opening)."
+)
 EVENTS: Final = Counter(
     "duplex_session_events",
     "Session events by direction (in = from clients, out = to clients) and type.",

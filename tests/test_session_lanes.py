@@ -68,11 +68,13 @@ async def test_lanes_each_get_only_their_own_reply_and_share_messages(stack: InP
     names = ["a", "b", "c", "lane/with spaces"]
     voices = {name: speech(i) for i, name in enumerate(names)}
     solo_voice = speech(len(names))
+    lanes_before = sample("duplex_session_lanes")
     async with grpc.aio.insecure_channel(stack.target) as ch:
         call = LaneCall(ch).start()
         call.send(*((name, open_event()) for name in names))
         solo = Conversation(ch).start(open_event())
         opened = [await call.wait_kind(name, "opened") for name in names]
+        assert sample("duplex_session_lanes") == lanes_before + len(names)
         await solo.wait_kind("opened")
         assert len({o.opened.session_id for o in opened}) == len(names)
         pcms = {name: utterance_pcm(v, PCM16K_MONO) for name, v in voices.items()}
@@ -92,6 +94,7 @@ async def test_lanes_each_get_only_their_own_reply_and_share_messages(stack: InP
         await solo.wait_done()
 
     assert call.status == grpc.StatusCode.OK
+    assert sample("duplex_session_lanes") == lanes_before
     assert call.events.get("", []) == []
     for name in names:
         assert [e.status for e in call.ended[name]] == [0]
@@ -239,12 +242,16 @@ async def test_barge_in_on_one_lane_leaves_no_cancelled_audio_on_it(stack: InPro
 
 async def test_a_dropped_stream_leaves_its_sessions_to_resume(stack: InProcessStack) -> None:
     async with grpc.aio.insecure_channel(stack.target) as ch:
+        lanes_before = sample("duplex_session_lanes")
         first = LaneCall(ch).start()
         first.send(("x", open_event()), ("y", open_event()))
         x = (await first.wait_kind("x", "opened")).opened
         y = (await first.wait_kind("y", "opened")).opened
         first.cancel()
         await first.wait_done()
+        async with asyncio.timeout(5):
+            while sample("duplex_session_lanes") != lanes_before:  # noqa: ASYNC110  (the server sees the cancel)
+                await asyncio.sleep(0.02)
         # One resumes on a Converse call, the other on a lane of another stream.
         conv = Conversation(ch).start(
             session_pb2.ClientEvent(
@@ -369,3 +376,33 @@ async def test_the_load_generator_holds_its_sessions_as_lanes(stack: InProcessSt
     # Four sessions staggered over 32 ms, flushed every 16 ms: two sessions' events per message.
     assert len(sizes) > 100 and max(sizes) == 2 and sum(sizes) / len(sizes) > 1.5, sizes[:20]
     assert len(stack.session.manager) == 0  # the half-close closed every lane's session
+
+
+def test_a_server_message_is_cut_near_max_message_bytes_keeping_order() -> None:
+    audio = [
+        (
+            f"l{i % 3}",
+            session_pb2.ServerEvent(
+                event_id=f"se_{i}", audio_delta=session_pb2.AudioDelta(pcm=bytes(300_000))
+            ),
+        )
+        for i in range(10)
+    ]
+    big = (
+        "l0",
+        session_pb2.ServerEvent(event_id="big", audio_delta=session_pb2.AudioDelta(pcm=bytes(1_500_000))),
+    )
+    end = ("l1", session_pb2.LaneEnded(status=0))
+    items: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]] = [
+        *audio[:5],
+        big,
+        *audio[5:],
+        end,
+    ]
+    batches = list(lanes._batches(items))
+    assert all(b.ByteSize() <= lanes.MAX_MESSAGE_BYTES for b in batches if len(b.outputs) > 1)
+    assert [len(b.outputs) for b in batches] == [3, 2, 1, 3, 3]  # the big one alone
+    got = [(o.lane, o.event.event_id if o.HasField("event") else "ended") for b in batches for o in b.outputs]
+    assert got == [
+        (lane, e.event_id if isinstance(e, session_pb2.ServerEvent) else "ended") for lane, e in items
+    ]
