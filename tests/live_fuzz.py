@@ -358,6 +358,86 @@ class Fuzz:
             )
         return out
 
+    async def lanes(self, ch: grpc.aio.Channel) -> None:
+        """One ConverseMany call mixing good and bad lanes in every message: unusable lane names,
+        events for lanes never opened, bad opens beside good ones, junk in open lanes, a lane
+        name reused; then a half-close (every lane closes) or a cancel (every lane is left for
+        a resume). Every bad open must end its lane with a stable code, every good one open."""
+        bad = self.bad_opens()
+        good = [f"g{i}" for i in range(int(self._rng.integers(1, 4)))]
+        batches: list[list[tuple[str, session_pb2.ClientEvent]]] = [
+            [(name, open_ev()) for name in good]
+            + [
+                ("", open_ev()),
+                ("n\n", open_ev()),
+                ("x" * 65, open_ev()),
+                ("never", ev("c", commit=session_pb2.InputAudioCommit())),
+            ]
+        ]
+        bad_lanes = {}
+        for i in self._rng.choice(len(bad), size=3, replace=False):
+            name, e = bad[int(i)]
+            if e.ByteSize() > 200_000 or "deep" in name:
+                continue  # one message of them all must stay under the receive limit and parse
+            bad_lanes[f"b{i}"] = name
+            batches[0].append((f"b{i}", e))
+        for name in good:
+            batches.append(
+                [
+                    (name, ev("a", append=session_pb2.InputAudioAppend(seq=1, pcm=b"\x00\x01" * 320))),
+                    (name, ev("")),
+                    (name, ev("o", open=session_pb2.SessionOpen())),
+                    (name, ev("s", append=session_pb2.InputAudioAppend(seq=1, pcm=b"\x00" * 3))),
+                ]
+            )
+        cancel = bool(self._rng.integers(2))
+        call = session_pb2_grpc.DuplexSessionStub(ch).ConverseMany(timeout=20)
+        events: dict[str, list[session_pb2.ServerEvent]] = {}
+        ended: dict[str, session_pb2.LaneEnded] = {}
+
+        async def write() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                for b in batches:
+                    batch = session_pb2.ClientBatch()
+                    for lane, e in b:
+                        batch.events.add(lane=lane, event=e)
+                    await call.write(batch)
+                await asyncio.sleep(0.3)
+                if cancel:
+                    call.cancel()
+                else:
+                    await call.done_writing()
+
+        writer = asyncio.create_task(write())
+        try:
+            async for batch in call:
+                for out in batch.outputs:
+                    if out.HasField("ended"):
+                        ended[out.lane] = out.ended
+                    else:
+                        events.setdefault(out.lane, []).append(out.event)
+        except grpc.aio.AioRpcError as exc:
+            self.note_status("lanes", exc)
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+        for evs in events.values():
+            self.note_events("lanes", evs)
+        for lane, end in ended.items():
+            self.seen[f"lanes ended {end.status}/{end.code}"] += 1
+            if end.status in (s.value[0] for s in BAD_STATUSES) or (
+                end.status and end.code not in KNOWN_CODES
+            ):
+                self.problem(f"lanes: lane {lane!r} ended with {end.status}/{end.code!r}: {end.message!r}")
+        for lane, name in bad_lanes.items():
+            if any(e.HasField("opened") for e in events.get(lane, [])):
+                self.problem(f"lanes: bad open {name} opened")
+        for lane in good:
+            if not any(e.HasField("opened") for e in events.get(lane, [])) and not cancel:
+                self.problem(f"lanes: good lane {lane} did not open ({ended.get(lane)})")
+        self.attacks["lanes"] += 1
+
     async def bad_open(self, ch: grpc.aio.Channel) -> None:
         for name, e in self.bad_opens():
             if not self.running():
@@ -807,6 +887,7 @@ class Fuzz:
         w = metrics_text(self.worker.metrics)
         return {
             "duplex_session_active_sessions": metric_value(s, "duplex_session_active_sessions") or 0.0,
+            "duplex_session_lanes": metric_value(s, "duplex_session_lanes") or 0.0,
             "duplex_session_worker_sessions": metric_sum(s, "duplex_session_worker_sessions"),
             "duplex_worker_active_requests": metric_value(w, "duplex_worker_active_requests") or 0.0,
         }
@@ -832,6 +913,7 @@ class Fuzz:
             "idle": lambda: self.loop("idle", self.idle),
             "abandoned": self.abandoned,
             "never_reading": lambda: self.loop_plain("never_reading", self.never_reading, 0.5),
+            "lanes": lambda: self.loop("lanes", self.lanes),
             "worker": lambda: self.loop_plain("worker", self.worker_calls, 0.2),
         }
         chosen = self.args.attacks.split(",") if self.args.attacks else list(attacks)
