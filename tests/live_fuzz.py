@@ -28,6 +28,9 @@ Attacks, each in a loop of its own until the time is up (all at once):
 - ``resumes``: a live session resumed by three streams at once, then dropped and resumed within
   the grace, then closed and resumed (``session_closed``);
 - ``idle``: a session left open and silent on a live stream until the idle timeout closes it;
+- ``lanes``: ConverseMany calls whose messages mix unusable lane names, events for lanes never
+  opened, bad opens (from ``bad_open``) beside good ones, and junk in the open lanes; then a
+  half-close (every lane must close) or a cancel;
 - ``abandoned``: streams that open and are dropped without close (``--abandoned``: 1000 per
   30 s, paced over the run), and streams dropped before they send anything;
 - ``never_reading``: sessions whose client never reads what comes back (a reply upsampled to
