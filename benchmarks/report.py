@@ -573,8 +573,6 @@ def _tiers_md(
         add("")
     si = t.get("step_interval_compared")
     if si:
-        su = si["cpu_us_per_frame"]
-        ack = _get(t, "load", "ack_ms", "p99")
         add(
             f"The same load against a worker started with `--step-interval-ms {si['step_interval_ms']:g}` "
             "(a stack of its own): the inputs that arrive within the interval share one step, for up to "
@@ -582,21 +580,8 @@ def _tiers_md(
             + ("" if si["held_real_time"] else "; it did **not** hold real time: " + "; ".join(si["why"]))
             + ":\n"
         )
-        add(
-            _table(
-                ["", "worker steps as input comes (default)", f"at most every {si['step_interval_ms']:g} ms"],
-                [
-                    ["worker's mean batch", f(t.get("mean_batch"), ".1f"), f(si["mean_batch"], ".1f")],
-                    [
-                        "session service µs per session-frame",
-                        f(us.get("session"), ".0f"),
-                        f(su.get("session"), ".0f"),
-                    ],
-                    ["worker µs per session-frame", f(us.get("worker"), ".0f"), f(su.get("worker"), ".0f")],
-                    ["ack p99 ms", f(ack, ".1f"), f(si.get("ack_p99_ms"), ".1f")],
-                ],
-            )
-        )
+        header = ["", "worker steps as input comes (default)", f"at most every {si['step_interval_ms']:g} ms"]
+        add(_table(header, _compared_rows(t, si)))
         add("")
     ln = t.get("lanes_compared")
     if ln:
@@ -610,38 +595,29 @@ def _tiers_md(
             + ("" if ln["held_real_time"] else "; it did **not** hold real time: " + "; ".join(ln["why"]))
             + ":\n"
         )
-        add(
-            _table(
-                ["", "one Converse stream per session", f"lanes, sent every {ln['flush_ms']:g} ms"],
-                [
-                    ["worker's mean batch", f(t.get("mean_batch"), ".1f"), f(ln["mean_batch"], ".1f")],
-                    [
-                        "session service µs per session-frame",
-                        f(us.get("session"), ".0f"),
-                        f(lu.get("session"), ".0f"),
-                    ],
-                    ["worker µs per session-frame", f(us.get("worker"), ".0f"), f(lu.get("worker"), ".0f")],
-                    [
-                        "load generator µs per session-frame",
-                        f(us.get("generator"), ".0f"),
-                        f(lu.get("generator"), ".0f"),
-                    ],
-                    [
-                        "ack p99 ms",
-                        f(_get(t, "load", "ack_ms", "p99"), ".1f"),
-                        f(ln.get("ack_p99_ms"), ".1f"),
-                    ],
-                    [
-                        "session service over the baseline's (one stream per session)",
-                        f(us.get("session") / base if us.get("session") and base else None, ".2f") + "x",
-                        f(lu.get("session") / base if lu.get("session") and base else None, ".2f") + "x",
-                    ],
-                ],
-            )
-        )
+        over_base = [
+            "session service over the baseline's (one stream per session)",
+            f(us.get("session") / base if us.get("session") and base else None, ".2f") + "x",
+            f(lu.get("session") / base if lu.get("session") and base else None, ".2f") + "x",
+        ]
+        header = ["", "one Converse stream per session", f"lanes, sent every {ln['flush_ms']:g} ms"]
+        add(_table(header, [*_compared_rows(t, ln, generator=True), over_base]))
         add("")
     if "tiers" in plots:
         add(f"![tiers]({plots['tiers']})\n")
+
+
+def _compared_rows(t: dict[str, Any], other: dict[str, Any], *, generator: bool = False) -> list[list[str]]:
+    """The tiers' main window beside a compared one: mean batch, CPU per session-frame, ack p99."""
+    us, ou = t["cpu_us_per_frame"], other["cpu_us_per_frame"]
+    tiers = [("session service", "session"), ("worker", "worker")]
+    if generator:
+        tiers.append(("load generator", "generator"))
+    return [
+        ["worker's mean batch", f(t.get("mean_batch"), ".1f"), f(other["mean_batch"], ".1f")],
+        *([f"{label} µs per session-frame", f(us.get(k), ".0f"), f(ou.get(k), ".0f")] for label, k in tiers),
+        ["ack p99 ms", f(_get(t, "load", "ack_ms", "p99"), ".1f"), f(other.get("ack_p99_ms"), ".1f")],
+    ]
 
 
 def _hop_md(
