@@ -208,14 +208,7 @@ class Generator:
                 if ev is grpc.aio.EOF or ev.WhichOneof("event") != "opened":
                     code = await call.code() if ev is grpc.aio.EOF else None
                     raise RuntimeError(f"session {index} did not open: {ev if code is None else code}")
-            s = SessionLoad(
-                index=index,
-                call=call,
-                tape_offset=rng.randrange(appends_on_tape) * self.append_bytes,
-                phase_s=(index / max(1, args.total)) * self.append_s,
-            )
-            s.idle.set()
-            return s
+            return self._session(index, call, rng, appends_on_tape)
 
         if args.lanes:
             await self._open_lanes(stub, rng, appends_on_tape)
@@ -229,14 +222,7 @@ class Generator:
         batch = session_pb2.ClientBatch()
         for i in range(args.sessions):
             index = args.first_index + i
-            s = SessionLoad(
-                index=index,
-                call=call,
-                tape_offset=rng.randrange(appends_on_tape) * self.append_bytes,
-                phase_s=(index / max(1, args.total)) * self.append_s,
-                lane=str(index),
-            )
-            s.idle.set()
+            s = self._session(index, call, rng, appends_on_tape, lane=str(index))
             self.sessions.append(s)
             batch.events.add(lane=s.lane, event=self._open_event())
         await call.write(batch)
@@ -251,6 +237,20 @@ class Generator:
                         raise RuntimeError(f"lane {out.lane} did not open: {out.ended}")
                     if out.event.WhichOneof("event") == "opened":
                         waiting.discard(out.lane)
+
+    def _session(
+        self, index: int, call: Any, rng: random.Random, appends_on_tape: int, lane: str = ""
+    ) -> SessionLoad:
+        """Session ``index``: its own place on the tape, its phase in the append period."""
+        s = SessionLoad(
+            index=index,
+            call=call,
+            tape_offset=rng.randrange(appends_on_tape) * self.append_bytes,
+            phase_s=(index / max(1, self.args.total)) * self.append_s,
+            lane=lane,
+        )
+        s.idle.set()
+        return s
 
     def _open_event(self) -> session_pb2.ClientEvent:
         args = self.args

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 import numpy as np
@@ -36,6 +36,8 @@ from worker_service.server import WorkerServer
 FIXTURES = Path(__file__).parent / "fixtures"
 PARROT = "session_service.plugins.parrot:ParrotPlugin"
 SYNTHETIC = "session_service.plugins.synthetic:SyntheticPlugin"
+
+Req = TypeVar("Req", session_pb2.ClientEvent, session_pb2.ClientBatch)
 
 
 def worker_args(*extra: str, model: str = "parrot", port: int = 0, device: str | None = None) -> list[str]:
@@ -419,29 +421,60 @@ def open_event(
     return ev
 
 
-class Conversation:
-    """One Converse stream: send events, await the ones you expect, keep them all."""
+class _Call(Generic[Req]):
+    """What both test clients share: the queue of messages to send, how the call ended."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._stub = session_pb2_grpc.DuplexSessionStub(channel)
-        self._out: asyncio.Queue[session_pb2.ClientEvent | None] = asyncio.Queue()
-        self.events: list[session_pb2.ServerEvent] = []
-        self.arrival: list[float] = []
+        self._out: asyncio.Queue[Req | None] = asyncio.Queue()
         self.error: DuplexError | None = None
         self.status: grpc.StatusCode | None = None
         self._changed = asyncio.Event()
         self._done = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
         self._call: grpc.aio.StreamStreamCall | None = None  # type: ignore[type-arg]
+
+    async def _requests(self) -> AsyncIterator[Req]:
+        while True:
+            msg = await self._out.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _ended(self, exc: grpc.aio.AioRpcError | None) -> None:
+        """The call ended: with ``exc``, or OK (None). (A call cancelled here ends with neither.)"""
+        if exc is None:
+            self.status = grpc.StatusCode.OK
+        else:
+            self.status = exc.code()
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self.error = from_rpc_error(exc)
+
+    def _finished(self) -> None:
+        self._done.set()
+        self._changed.set()
+
+    def half_close(self) -> None:
+        self._out.put_nowait(None)
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    async def wait_done(self, within: float = 10.0) -> None:
+        async with asyncio.timeout(within):
+            await self._done.wait()
+
+
+class Conversation(_Call[session_pb2.ClientEvent]):
+    """One Converse stream: send events, await the ones you expect, keep them all."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)
+        self.events: list[session_pb2.ServerEvent] = []
+        self.arrival: list[float] = []
         self.seq = 0
         self.sent_bytes = 0
-
-    async def _requests(self) -> AsyncIterator[session_pb2.ClientEvent]:
-        while True:
-            ev = await self._out.get()
-            if ev is None:
-                return
-            yield ev
 
     def start(self, first: session_pb2.ClientEvent | None = None) -> Conversation:
         if first is not None:
@@ -458,12 +491,11 @@ class Conversation:
                 self.arrival.append(time.monotonic())
                 self._changed.set()
         except grpc.aio.AioRpcError as exc:
-            self.status = exc.code()
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                self.error = from_rpc_error(exc)
+            self._ended(exc)
+        else:
+            self._ended(None)
         finally:
-            self._done.set()
-            self._changed.set()
+            self._finished()
 
     def send(self, ev: session_pb2.ClientEvent) -> None:
         self._out.put_nowait(ev)
@@ -480,13 +512,6 @@ class Conversation:
         for i in range(0, len(pcm), step):
             self.append(pcm[i : i + step])
             await asyncio.sleep(chunk_ms / 1000 / speedup)
-
-    def half_close(self) -> None:
-        self._out.put_nowait(None)
-
-    def cancel(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
 
     async def wait_for(
         self, pred: Callable[[session_pb2.ServerEvent], bool], *, within: float = 10.0, start: int = 0
@@ -510,10 +535,6 @@ class Conversation:
     async def wait_kind(self, kind: str, *, within: float = 10.0, start: int = 0) -> session_pb2.ServerEvent:
         return await self.wait_for(lambda e: e.WhichOneof("event") == kind, within=within, start=start)
 
-    async def wait_done(self, within: float = 10.0) -> None:
-        async with asyncio.timeout(within):
-            await self._done.wait()
-
     def of(self, kind: str) -> list[session_pb2.ServerEvent]:
         return [e for e in self.events if e.WhichOneof("event") == kind]
 
@@ -521,13 +542,12 @@ class Conversation:
         return [e.WhichOneof("event") or "" for e in self.events]
 
 
-class LaneCall:
+class LaneCall(_Call[session_pb2.ClientBatch]):
     """One ConverseMany stream: send events of named lanes, await the ones you expect per lane."""
 
     def __init__(self, channel: grpc.aio.Channel, *, metadata: Sequence[tuple[str, str]] = ()) -> None:
-        self._stub = session_pb2_grpc.DuplexSessionStub(channel)
+        super().__init__(channel)
         self._metadata = tuple(metadata)
-        self._out: asyncio.Queue[session_pb2.ClientBatch | None] = asyncio.Queue()
         self.events: dict[str, list[session_pb2.ServerEvent]] = {}
         """Events by lane, in arrival order ("" holds errors about the stream itself)."""
         self.ended: dict[str, list[session_pb2.LaneEnded]] = {}
@@ -535,20 +555,7 @@ class LaneCall:
         self.order: list[tuple[str, str]] = []
         """(lane, event kind or "ended") of every output, in arrival order."""
         self.batches = 0
-        self.error: DuplexError | None = None
-        self.status: grpc.StatusCode | None = None
-        self._changed = asyncio.Event()
-        self._done = asyncio.Event()
-        self._reader: asyncio.Task[None] | None = None
-        self._call: grpc.aio.StreamStreamCall | None = None  # type: ignore[type-arg]
         self.seq: dict[str, int] = {}
-
-    async def _requests(self) -> AsyncIterator[session_pb2.ClientBatch]:
-        while True:
-            batch = await self._out.get()
-            if batch is None:
-                return
-            yield batch
 
     def start(self) -> LaneCall:
         self._call = self._stub.ConverseMany(self._requests(), metadata=self._metadata)
@@ -569,14 +576,11 @@ class LaneCall:
                         self.order.append((out.lane, out.event.WhichOneof("event") or ""))
                 self._changed.set()
         except grpc.aio.AioRpcError as exc:
-            self.status = exc.code()
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                self.error = from_rpc_error(exc)
+            self._ended(exc)
         else:
-            self.status = grpc.StatusCode.OK
+            self._ended(None)
         finally:
-            self._done.set()
-            self._changed.set()
+            self._finished()
 
     def send(self, *events: tuple[str, session_pb2.ClientEvent]) -> None:
         """One ClientBatch of ``(lane, event)`` pairs."""
@@ -589,13 +593,6 @@ class LaneCall:
         """The next append of ``lane`` (numbered per lane)."""
         self.seq[lane] = self.seq.get(lane, 0) + 1
         return lane, session_pb2.ClientEvent(append=session_pb2.InputAudioAppend(seq=self.seq[lane], pcm=pcm))
-
-    def half_close(self) -> None:
-        self._out.put_nowait(None)
-
-    def cancel(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
 
     def of(self, lane: str, kind: str) -> list[session_pb2.ServerEvent]:
         return [e for e in self.events.get(lane, []) if e.WhichOneof("event") == kind]
@@ -619,10 +616,6 @@ class LaneCall:
     async def wait_ended(self, lane: str, *, within: float = 10.0) -> session_pb2.LaneEnded:
         await self.wait_until(lambda: lane in self.ended, within=within, what=f"{lane} ended")
         return self.ended[lane][-1]
-
-    async def wait_done(self, within: float = 10.0) -> None:
-        async with asyncio.timeout(within):
-            await self._done.wait()
 
 
 class FakeLink:

@@ -550,7 +550,7 @@ async def test_bad_updates_end_to_end_are_error_events_and_the_session_goes_on(s
         assert list(updated.updated.config.modalities) == ["audio"]
         c.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
         await c.wait_done()
-        assert c.status is None and c.of("closed")[0].closed.reason == "client_close"
+        assert c.status == grpc.StatusCode.OK and c.of("closed")[0].closed.reason == "client_close"
 
 
 # The gRPC layer parses a message before the handler runs: one that does not parse (not a
