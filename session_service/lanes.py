@@ -62,6 +62,11 @@ MAX_PENDING = 64
 #: Size a server message is cut at (what the lanes have to say beyond it goes in the next).
 MAX_MESSAGE_BYTES = 1024 * 1024
 
+#: Answers of the stream's own (refusals, errors about names or messages, lane ends) that may
+#: wait unwritten; beyond it the client is not reading them and is cut off as a slow consumer.
+#: (A lane's own events wait in its session's queue, bounded there.)
+MAX_UNWRITTEN_ANSWER_BYTES = 1024 * 1024
+
 _Context = grpc.aio.ServicerContext[session_pb2.ClientBatch, session_pb2.ServerBatch]
 
 
@@ -132,6 +137,8 @@ class LaneStream:
         self._dropped = False
         self._cut: asyncio.Task[None] | None = None
         self._writing: asyncio.Future[bool] | None = None
+        self._answer_bytes = 0
+        """Bytes of the stream's own answers in ``_out`` (``MAX_UNWRITTEN_ANSWER_BYTES``)."""
 
     async def run(self) -> None:
         reader = asyncio.create_task(self._read())
@@ -156,6 +163,7 @@ class LaneStream:
                 await self._wake.wait()
                 continue
             items, self._out = self._out, []
+            self._answer_bytes = 0
             flushed, self._flushed = self._flushed, asyncio.get_running_loop().create_future()
             ok = True
             for batch in _batches(items):
@@ -183,11 +191,19 @@ class LaneStream:
         self._out.append((lane, item))
         self._wake.set()
 
+    def _answer(self, lane: str, item: session_pb2.ServerEvent | session_pb2.LaneEnded) -> None:
+        """Queue an answer of the stream's own; cut the client off if they pile up unread."""
+        self._answer_bytes += item.ByteSize()
+        if self._answer_bytes > MAX_UNWRITTEN_ANSWER_BYTES:
+            self._slow_consumer()
+            return
+        self._put(lane, item)
+
     def _stream_error(self, code: ErrorCode, message: str, event_id: str = "") -> None:
         """An ``error`` about the stream itself (lane ""): a message or a lane name not usable."""
         ERRORS_BY_CODE[code.value].inc()
         self._refused += 1
-        self._put(
+        self._answer(
             "",
             session_pb2.ServerEvent(
                 event_id=f"pre_{self._refused}",
@@ -290,12 +306,12 @@ class LaneStream:
             if kind not in ("open", "resume"):
                 ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
                 self._refused += 1
-                self._put(name, not_open_error(ev.event_id, self._refused))
+                self._answer(name, not_open_error(ev.event_id, self._refused))
                 return
             if len(self._lanes) >= MAX_LANES:
                 err = CapacityError(ErrorCode.CAPACITY_EXHAUSTED, f"a stream holds at most {MAX_LANES} lanes")
                 ERRORS_BY_CODE[err.code].inc()
-                self._put(name, ended(err))
+                self._answer(name, ended(err))
                 return
             self._opened_any = True
             lane = self._lanes[name] = _Lane(name)
@@ -347,7 +363,7 @@ class LaneStream:
         if self._lanes.get(lane.name) is lane:
             del self._lanes[lane.name]
             LANES.dec()
-        self._put(lane.name, ended(err))
+        self._answer(lane.name, ended(err))
 
     async def _pump(self, lane: _Lane) -> None:
         """The lane's session output into the stream's next message, until the session ends

@@ -406,3 +406,30 @@ def test_a_server_message_is_cut_near_max_message_bytes_keeping_order() -> None:
     assert got == [
         (lane, e.event_id if isinstance(e, session_pb2.ServerEvent) else "ended") for lane, e in items
     ]
+
+
+@pytest.mark.stack(runner={"detached_grace_s": 0.5})
+async def test_answers_a_client_does_not_read_are_bounded(stack: InProcessStack) -> None:
+    """Events for lanes never opened, each answered with its 60 KB event id echoed, never read:
+    the answers are bounded like a session's queue, and the stream is cut off."""
+    cut_before = sample("duplex_session_errors_total", {"code": "slow_consumer"})
+    options = [("grpc.http2.bdp_probe", 0)]
+    async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
+        call = session_pb2_grpc.DuplexSessionStub(ch).ConverseMany(timeout=30)
+        first = session_pb2.ClientBatch()
+        first.events.add(lane="open", event=open_event())
+        await call.write(first)
+        junk = session_pb2.ClientBatch()
+        for i in range(5):
+            junk.events.add(lane=f"ghost{i}", event=session_pb2.ClientEvent(event_id="x" * 60_000))
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+            for _ in range(24):  # 7 MB of answers
+                await asyncio.wait_for(call.write(junk), 5)
+        async with asyncio.timeout(10):
+            while (  # noqa: ASYNC110  (two conditions kept by other components)
+                len(stack.session.manager)
+                or sample("duplex_session_errors_total", {"code": "slow_consumer"}) == cut_before
+            ):
+                await asyncio.sleep(0.05)
+        call.cancel()
+    assert sample("duplex_session_errors_total", {"code": "slow_consumer"}) == cut_before + 1
