@@ -421,6 +421,9 @@ class Fuzz:
                         events.setdefault(out.lane, []).append(out.event)
         except grpc.aio.AioRpcError as exc:
             self.note_status("lanes", exc)
+        except asyncio.CancelledError:
+            if not (cancel and call.cancelled()):
+                raise  # a cancel of our own ends the reading so; anything else stops the attack
         finally:
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -921,7 +924,11 @@ class Fuzz:
         }
         chosen = self.args.attacks.split(",") if self.args.attacks else list(attacks)
         tasks = [asyncio.create_task(attacks[name]()) for name in chosen]
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for name, outcome in zip(chosen, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
+            if isinstance(outcome, BaseException):
+                self.problem(f"{name}: the attack stopped: {type(outcome).__name__}: {outcome}")
+            if not any(k.startswith(name) for k in self.attacks):
+                self.problem(f"{name}: not one round of the attack completed")
         self.turns_during = len(healthy.turns) - turns_before
         healthy.stop()
         await asyncio.wait_for(talker, 90)
