@@ -9,7 +9,8 @@ the next), printed as they finish, each writing its figures as JSON under ``--ou
    64 and 256 sessions against a real worker process;
 4. ``e2e_bench``: the whole serving path (real processes) as a fraction of the model alone;
 5. ``tiers``: CPU per session-frame of the session service and the worker under a fixed load,
-   beside the model's own;
+   beside the model's own; the same load against a worker with ``--step-interval-ms 8``, and from
+   clients holding their sessions as lanes of one ``ConverseMany`` stream;
 6. ``capacity``: the most real-time parrot conversations one session service and one worker hold
    (20 and 40 ms appends), the same against ``--max-batch 1`` (batching gain), and a profile of
    the session service at capacity.
@@ -18,7 +19,7 @@ Then ``benchmarks.report`` writes ``BENCHMARKS.md``, ``benchmarks/latest.json`` 
 (for ``--device cuda``: under ``benchmarks/gpu/``), comparing with the committed baseline.
 
 A section that stalls, fails or measures nothing makes the run exit non-zero, with the reason;
-its figures are then missing from the report, never zeros. About 6-7 minutes on a 2-core machine.
+its figures are then missing from the report, never zeros. About 7-8 minutes on a 2-core machine.
 ``--quick`` is a short smoke run for developing the harness (its figures are not a record).
 """
 
