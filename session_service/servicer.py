@@ -62,7 +62,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             principal = self._principal_of(context)
         except DuplexError as err:
             await self._abort(context, err)
-        del request_iterator  # read with context.read(): see _client_events
+        del request_iterator  # read with context.read(): see calls.read_messages
         it = aiter(read_messages(context, session_pb2.ClientEvent))
         runner: SessionRunner | None = None
         acks_on_output = False
