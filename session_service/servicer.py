@@ -53,7 +53,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         request_iterator: AsyncIterator[session_pb2.ClientEvent],
         context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
     ) -> None:
-        """The call, read with ``context.read()`` (see ``_client_events``) and written with
+        """The call, read with ``context.read()`` (see ``calls.read_messages``) and written with
         ``context.write()``: a write that waits for a client that stopped reading fails when the
         call ends (dropped, or cut off here as a slow consumer), and it fails here, where that
         is expected, not inside gRPC's handling of a response generator (which logs it as an
