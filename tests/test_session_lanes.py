@@ -279,25 +279,26 @@ async def test_a_dropped_stream_leaves_its_sessions_to_resume(stack: InProcessSt
     assert len(stack.session.manager) == 0
 
 
-@pytest.mark.stack(runner={"detached_grace_s": 0.5})
-async def test_a_stream_whose_client_stops_reading_is_cut_off(stack: InProcessStack) -> None:
-    """Errors that echo 60 KB event ids, never read: the transport takes its 64 KiB window, the
-    rest piles up in the session's queue until it overflows. The stream is cut off, though its
-    last message cannot be sent: the noisy session is closed, the quiet one let go (it is
-    released after the detached grace), the cut counted once."""
+async def _flood_unread(stack: InProcessStack, opened: list[str], junk_lanes: list[str]) -> None:
+    """Open ``opened`` lanes on one stream, then send 7 MB of events with 60 KB event ids (each
+    answered with its id echoed) to ``junk_lanes``, never reading; return once the stream is cut
+    off (counted once) and every session it held is gone (closed, or released after the
+    detached grace)."""
     cut_before = sample("duplex_session_errors_total", {"code": "slow_consumer"})
     options = [("grpc.http2.bdp_probe", 0)]  # else the client grows its window and buffers it all
     async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
         call = session_pb2_grpc.DuplexSessionStub(ch).ConverseMany(timeout=30)
         first = session_pb2.ClientBatch()
-        first.events.add(lane="noisy", event=open_event())
-        first.events.add(lane="quiet", event=open_event())
+        for lane in opened:
+            first.events.add(lane=lane, event=open_event())
         await call.write(first)
         junk = session_pb2.ClientBatch()
-        for _ in range(5):  # 300 KB: a message stays under the service's receive limit
-            junk.events.add(lane="noisy", event=session_pb2.ClientEvent(event_id="x" * 60_000))
+        for i in range(5):  # 300 KB: a message stays under the service's receive limit
+            junk.events.add(
+                lane=junk_lanes[i % len(junk_lanes)], event=session_pb2.ClientEvent(event_id="x" * 60_000)
+            )
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
-            for _ in range(24):  # 7 MB of echoes, more than a session's 4 MiB queue
+            for _ in range(24):  # 7 MB, more than a session's 4 MiB queue or the stream's answers
                 await asyncio.wait_for(call.write(junk), 5)  # (the cut may stop the reading first)
         async with asyncio.timeout(10):
             while (  # noqa: ASYNC110  (two conditions kept by other components)
@@ -307,6 +308,15 @@ async def test_a_stream_whose_client_stops_reading_is_cut_off(stack: InProcessSt
                 await asyncio.sleep(0.05)
         call.cancel()
     assert sample("duplex_session_errors_total", {"code": "slow_consumer"}) == cut_before + 1
+
+
+@pytest.mark.stack(runner={"detached_grace_s": 0.5})
+async def test_a_stream_whose_client_stops_reading_is_cut_off(stack: InProcessStack) -> None:
+    """Errors that echo 60 KB event ids in an open lane, never read: the transport takes its
+    64 KiB window, the rest piles up in the session's queue until it overflows. The stream is cut
+    off, though its last message cannot be sent: the noisy session is closed, the quiet one let
+    go (it is released after the detached grace)."""
+    await _flood_unread(stack, ["noisy", "quiet"], ["noisy"])
 
 
 async def test_lanes_are_authenticated_and_belong_to_the_caller(
@@ -412,24 +422,4 @@ def test_a_server_message_is_cut_near_max_message_bytes_keeping_order() -> None:
 async def test_answers_a_client_does_not_read_are_bounded(stack: InProcessStack) -> None:
     """Events for lanes never opened, each answered with its 60 KB event id echoed, never read:
     the answers are bounded like a session's queue, and the stream is cut off."""
-    cut_before = sample("duplex_session_errors_total", {"code": "slow_consumer"})
-    options = [("grpc.http2.bdp_probe", 0)]
-    async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
-        call = session_pb2_grpc.DuplexSessionStub(ch).ConverseMany(timeout=30)
-        first = session_pb2.ClientBatch()
-        first.events.add(lane="open", event=open_event())
-        await call.write(first)
-        junk = session_pb2.ClientBatch()
-        for i in range(5):
-            junk.events.add(lane=f"ghost{i}", event=session_pb2.ClientEvent(event_id="x" * 60_000))
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
-            for _ in range(24):  # 7 MB of answers
-                await asyncio.wait_for(call.write(junk), 5)
-        async with asyncio.timeout(10):
-            while (  # noqa: ASYNC110  (two conditions kept by other components)
-                len(stack.session.manager)
-                or sample("duplex_session_errors_total", {"code": "slow_consumer"}) == cut_before
-            ):
-                await asyncio.sleep(0.05)
-        call.cancel()
-    assert sample("duplex_session_errors_total", {"code": "slow_consumer"}) == cut_before + 1
+    await _flood_unread(stack, ["open"], [f"ghost{i}" for i in range(5)])
