@@ -441,18 +441,30 @@ class _Call(Generic[Req]):
                 return
             yield msg
 
-    def _ended(self, exc: grpc.aio.AioRpcError | None) -> None:
-        """The call ended: with ``exc``, or OK (None). (A call cancelled here ends with neither.)"""
-        if exc is None:
-            self.status = grpc.StatusCode.OK
-        else:
+    def _begin(self, call: grpc.aio.StreamStreamCall) -> None:  # type: ignore[type-arg]
+        """Read ``call`` in a task of its own until it ends."""
+        self._call = call
+        self._reader = asyncio.create_task(self._read())
+
+    def _take(self, msg: Any) -> None:
+        """Keep one server message (each client its own way)."""
+        raise NotImplementedError
+
+    async def _read(self) -> None:
+        assert self._call is not None
+        try:
+            async for msg in self._call:
+                self._take(msg)
+                self._changed.set()
+        except grpc.aio.AioRpcError as exc:
             self.status = exc.code()
             if exc.code() != grpc.StatusCode.CANCELLED:
                 self.error = from_rpc_error(exc)
-
-    def _finished(self) -> None:
-        self._done.set()
-        self._changed.set()
+        else:
+            self.status = grpc.StatusCode.OK  # (a call cancelled here ends with neither)
+        finally:
+            self._done.set()
+            self._changed.set()
 
     def half_close(self) -> None:
         self._out.put_nowait(None)
@@ -479,23 +491,12 @@ class Conversation(_Call[session_pb2.ClientEvent]):
     def start(self, first: session_pb2.ClientEvent | None = None) -> Conversation:
         if first is not None:
             self.send(first)
-        self._call = self._stub.Converse(self._requests())
-        self._reader = asyncio.create_task(self._read())
+        self._begin(self._stub.Converse(self._requests()))
         return self
 
-    async def _read(self) -> None:
-        assert self._call is not None
-        try:
-            async for ev in self._call:
-                self.events.append(ev)
-                self.arrival.append(time.monotonic())
-                self._changed.set()
-        except grpc.aio.AioRpcError as exc:
-            self._ended(exc)
-        else:
-            self._ended(None)
-        finally:
-            self._finished()
+    def _take(self, msg: Any) -> None:
+        self.events.append(msg)
+        self.arrival.append(time.monotonic())
 
     def send(self, ev: session_pb2.ClientEvent) -> None:
         self._out.put_nowait(ev)
@@ -558,29 +559,18 @@ class LaneCall(_Call[session_pb2.ClientBatch]):
         self.seq: dict[str, int] = {}
 
     def start(self) -> LaneCall:
-        self._call = self._stub.ConverseMany(self._requests(), metadata=self._metadata)
-        self._reader = asyncio.create_task(self._read())
+        self._begin(self._stub.ConverseMany(self._requests(), metadata=self._metadata))
         return self
 
-    async def _read(self) -> None:
-        assert self._call is not None
-        try:
-            async for batch in self._call:
-                self.batches += 1
-                for out in batch.outputs:
-                    if out.HasField("ended"):
-                        self.ended.setdefault(out.lane, []).append(out.ended)
-                        self.order.append((out.lane, "ended"))
-                    else:
-                        self.events.setdefault(out.lane, []).append(out.event)
-                        self.order.append((out.lane, out.event.WhichOneof("event") or ""))
-                self._changed.set()
-        except grpc.aio.AioRpcError as exc:
-            self._ended(exc)
-        else:
-            self._ended(None)
-        finally:
-            self._finished()
+    def _take(self, msg: Any) -> None:
+        self.batches += 1
+        for out in msg.outputs:
+            if out.HasField("ended"):
+                self.ended.setdefault(out.lane, []).append(out.ended)
+                self.order.append((out.lane, "ended"))
+            else:
+                self.events.setdefault(out.lane, []).append(out.event)
+                self.order.append((out.lane, out.event.WhichOneof("event") or ""))
 
     def send(self, *events: tuple[str, session_pb2.ClientEvent]) -> None:
         """One ClientBatch of ``(lane, event)`` pairs."""
