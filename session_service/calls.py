@@ -1,10 +1,11 @@
 """What both client-facing calls (``Converse`` and ``ConverseMany``) do alike: read messages
-that may not parse, write one that may find the call over, and start a session from its first
-event."""
+that may not parse, write one that may find the call over, end a call from another task, and
+start a session from its first event."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -12,9 +13,10 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from duplex.errors import ErrorCode
+from duplex.errors import DuplexError, ErrorCode, abort
 from duplex.v1 import session_pb2
 from session_service.auth import ANONYMOUS
+from session_service.metrics import ERRORS_BY_CODE
 from session_service.runner import SessionRunner
 from session_service.sessions import SessionManager
 
@@ -29,6 +31,10 @@ UNPARSABLE = "the client message is not a valid ClientEvent (malformed, or neste
 #: Events a stream may send before its first open (each answered ``session_not_open``) before
 #: the call is ended: a stream that never opens must not live on by sending junk.
 MAX_REFUSED_BEFORE_OPEN = 8
+
+#: How long a cut call's handler waits for its abort to be sent (it is at once, unless the status
+#: waits behind a message the client does not read).
+ABORT_WAIT_S = 1.0
 
 M = TypeVar("M", bound=Message)
 
@@ -52,6 +58,63 @@ async def write_message(
             log.info("a write to a client failed (%s): the call is over", type(exc).__name__)
         return False
     return True
+
+
+class CallCut:
+    """Ends a call from any task with a ``DuplexError``'s status (a client cut off as a slow
+    consumer, a displaced stream). Made in the call's handler, which writes through ``write``.
+
+    The handler may then be waiting in a write to a client that does not read: a message larger
+    than the client's receive window waits for it, and an abort does not end that wait. The cut
+    stops the write (it cancels the handler while, and only while, it waits in one), so the call
+    ends now and not when the client goes away."""
+
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self._context = context
+        self._handler = asyncio.current_task()
+        self._writing = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the call was cut."""
+        return self._task is not None
+
+    def __call__(self, err: DuplexError) -> None:
+        if self._task is not None:
+            return
+        ERRORS_BY_CODE[err.code].inc()
+        self._task = asyncio.create_task(self._abort(err))
+        if self._writing and self._handler is not None:
+            self._handler.cancel()
+
+    async def _abort(self, err: DuplexError) -> None:
+        with contextlib.suppress(Exception):  # AbortError: the call is ended (or was already)
+            await abort(self._context, err)
+
+    async def write(self, message: Message) -> bool:
+        """``write_message``; False also when the call was cut (before or during the write)."""
+        if self._task is not None:
+            return False
+        self._writing = True
+        try:
+            return await write_message(self._context, message, ended=lambda: self._task is not None)
+        except asyncio.CancelledError:
+            if self._task is None or self._handler is None or not self._handler.cancelling():
+                raise
+            self._handler.uncancel()  # the cut's own cancel: the write is over, the handler goes on
+            return False
+        finally:
+            self._writing = False
+
+    async def wait(self) -> None:
+        """Until the cut's abort is done (the call then ends with its status, not OK). An abort
+        whose status waits behind a message the client does not read is given up after
+        ``ABORT_WAIT_S``: the handler ends all the same."""
+        if self._task is not None:
+            done, _ = await asyncio.wait([self._task], timeout=ABORT_WAIT_S)
+            if not done:
+                self._task.cancel()
 
 
 async def read_messages(

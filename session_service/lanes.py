@@ -29,16 +29,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, InternalError, abort
+from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, InternalError
 from duplex.v1 import session_pb2
 from session_service.calls import (
     HALF_CLOSE_GRACE_S,
     MAX_REFUSED_BEFORE_OPEN,
     UNPARSABLE,
+    CallCut,
     not_open_error,
     open_or_resume,
     read_messages,
-    write_message,
 )
 from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN, LANES
 from session_service.runner import SessionRunner
@@ -135,8 +135,7 @@ class LaneStream:
         self._opened_any = False
         self._half_closed = False
         self._dropped = False
-        self._cut: asyncio.Task[None] | None = None
-        self._writing: asyncio.Future[bool] | None = None
+        self._cut = CallCut(context)
         self._answer_bytes = 0
         """Bytes of the stream's own answers in ``_out`` (``MAX_UNWRITTEN_ANSWER_BYTES``)."""
 
@@ -144,8 +143,7 @@ class LaneStream:
         reader = asyncio.create_task(self._read())
         try:
             await self._write_loop()
-            if self._cut is not None:
-                await self._cut  # the call ends with the status given there, not OK
+            await self._cut.wait()  # when cut: the call ends with the cut's status, not OK
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -155,7 +153,7 @@ class LaneStream:
     # ---- writing -----------------------------------------------------------------------------
 
     async def _write_loop(self) -> None:
-        while not (self._dropped or self._cut is not None):
+        while not (self._dropped or self._cut.done):
             if not self._out:
                 if self._half_closed and not self._lanes:
                     return  # every lane ended after the client half-closed: the call is done
@@ -167,25 +165,12 @@ class LaneStream:
             flushed, self._flushed = self._flushed, asyncio.get_running_loop().create_future()
             ok = True
             for batch in _batches(items):
-                ok = await self._write(batch)
+                ok = await self._cut.write(batch)
                 if not ok:
                     break
             flushed.set_result(ok)  # the pumps whose events these were may take more
             if not ok:
                 return
-
-    async def _write(self, batch: session_pb2.ServerBatch) -> bool:
-        # A task of its own, so that a cut-off can stop a write stuck on a client that does not
-        # read (a message of many lanes' events can be larger than the client's window).
-        self._writing = asyncio.ensure_future(
-            write_message(self._context, batch, ended=lambda: self._cut is not None)
-        )
-        try:
-            return await self._writing
-        except asyncio.CancelledError:
-            if self._cut is None:
-                raise
-            return False
 
     def _put(self, lane: str, item: session_pb2.ServerEvent | session_pb2.LaneEnded) -> None:
         self._out.append((lane, item))
@@ -212,18 +197,9 @@ class LaneStream:
         )
 
     def _end_call(self, err: DuplexError) -> None:
-        """End the whole call with ``err``'s status, from any task (the handler may be blocked
-        writing to a client that does not read)."""
-        if self._cut is None:
-            ERRORS_BY_CODE[err.code].inc()
-            self._cut = asyncio.create_task(self._abort(err))
-            self._wake.set()
-            if self._writing is not None:
-                self._writing.cancel()
-
-    async def _abort(self, err: DuplexError) -> None:
-        with contextlib.suppress(Exception):  # AbortError: the call is ended (or was already)
-            await abort(self._context, err)
+        """End the whole call with ``err``'s status, from any task (``CallCut``)."""
+        self._cut(err)
+        self._wake.set()
 
     def _slow_consumer(self) -> None:
         self._end_call(

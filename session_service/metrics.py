@@ -8,6 +8,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 # Counter names omit `_total`: prometheus_client appends it.
 ACTIVE_SESSIONS: Final = Gauge("duplex_session_active_sessions", "Sessions held by this replica.")
+STREAMS: Final = Gauge(
+    "duplex_session_streams", "Client calls (Converse and ConverseMany) in progress on this replica."
+)
 LANES: Final = Gauge(
     "duplex_session_lanes", "Lanes of ConverseMany streams on this replica (open, or opening)."
 )

@@ -25,13 +25,14 @@ from session_service.calls import (
     HALF_CLOSE_GRACE_S,
     MAX_REFUSED_BEFORE_OPEN,
     UNPARSABLE,
+    CallCut,
     not_open_error,
     open_or_resume,
     read_messages,
     write_message,
 )
 from session_service.lanes import LaneStream
-from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN
+from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN, STREAMS
 from session_service.runner import SessionRunner
 from session_service.sessions import SessionManager
 
@@ -49,6 +50,17 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         self._principal_of = principal_of
 
     async def Converse(  # type: ignore[override]  # a coroutine writing with context.write
+        self,
+        request_iterator: AsyncIterator[session_pb2.ClientEvent],
+        context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
+    ) -> None:
+        STREAMS.inc()
+        try:
+            await self._converse(request_iterator, context)
+        finally:
+            STREAMS.dec()
+
+    async def _converse(
         self,
         request_iterator: AsyncIterator[session_pb2.ClientEvent],
         context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
@@ -100,16 +112,22 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
                 if not await write_message(context, not_open_error(ev.event_id, refused)):
                     return
-        cut_off: list[asyncio.Task[None]] = []
+        cut = CallCut(context)
 
         def on_slow_consumer() -> None:
             # From the runner, while this handler may be blocked writing to a client that does
             # not read: the call is aborted from another task, at once.
-            cut_off.append(asyncio.create_task(self._cut_off(context)))
+            cut(
+                CapacityError(
+                    ErrorCode.SLOW_CONSUMER,
+                    "the client did not read its events in time; the session is closed",
+                    retryable=False,
+                )
+            )
 
         def on_cut_off() -> None:
             # Displaced by a resume and still writing after the handover timeout.
-            cut_off.append(asyncio.create_task(self._cut_off(context, displaced=True)))
+            cut(FencedError(ErrorCode.FENCED, "the session was resumed on another stream"))
 
         attachment = runner.attach_stream(
             on_slow_consumer=on_slow_consumer, cut_off=on_cut_off, acks_on_output=acks_on_output
@@ -120,10 +138,9 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                 out = await runner.outbound.get(attachment)
                 if out is None:
                     break
-                if not await write_message(context, out, ended=lambda: bool(cut_off)):
+                if not await cut.write(out):
                     break  # the call ended while the write waited
-            if cut_off:
-                await cut_off[0]  # the call ends with slow_consumer, not OK
+            await cut.wait()  # when cut: the call ends with the cut's status, not OK
         finally:
             runner.outbound.detached(attachment)
             reader.cancel()
@@ -140,29 +157,19 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         context: grpc.aio.ServicerContext[session_pb2.ClientBatch, session_pb2.ServerBatch],
     ) -> None:
         """Many sessions of one caller on one stream (``session_service.lanes``)."""
+        STREAMS.inc()
         try:
-            principal = self._principal_of(context)
-        except DuplexError as err:
-            await self._abort(context, err)
-        del request_iterator  # read with context.read(), as Converse
-        stream = LaneStream(self._manager, context, principal=principal, open_timeout_s=self._open_timeout_s)
-        await stream.run()
-
-    async def _cut_off(
-        self,
-        context: grpc.aio.ServicerContext[session_pb2.ClientEvent, session_pb2.ServerEvent],
-        *,
-        displaced: bool = False,
-    ) -> None:
-        err: DuplexError = CapacityError(
-            ErrorCode.SLOW_CONSUMER,
-            "the client did not read its events in time; the session is closed",
-            retryable=False,
-        )
-        if displaced:
-            err = FencedError(ErrorCode.FENCED, "the session was resumed on another stream")
-        with contextlib.suppress(Exception):  # AbortError: the call is ended (or was already)
-            await self._abort(context, err)
+            try:
+                principal = self._principal_of(context)
+            except DuplexError as err:
+                await self._abort(context, err)
+            del request_iterator  # read with context.read(), as Converse
+            stream = LaneStream(
+                self._manager, context, principal=principal, open_timeout_s=self._open_timeout_s
+            )
+            await stream.run()
+        finally:
+            STREAMS.dec()
 
     async def _abort(
         self,

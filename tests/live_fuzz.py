@@ -894,6 +894,7 @@ class Fuzz:
         return {
             "duplex_session_active_sessions": metric_value(s, "duplex_session_active_sessions") or 0.0,
             "duplex_session_lanes": metric_value(s, "duplex_session_lanes") or 0.0,
+            "duplex_session_streams": metric_value(s, "duplex_session_streams") or 0.0,
             "duplex_session_worker_sessions": metric_sum(s, "duplex_session_worker_sessions"),
             "duplex_worker_active_requests": metric_value(w, "duplex_worker_active_requests") or 0.0,
         }

@@ -11,6 +11,7 @@ other sessions go on, and that sessions spread over both workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 
 import grpc
@@ -20,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, StreamConverter, decode, encode
 from duplex.cli import main
-from duplex.v1 import common_pb2, session_pb2
+from duplex.v1 import common_pb2, session_pb2, session_pb2_grpc
 from session_service.placement import rendezvous_pick
 from tests.procs import start_service
 from tests.session_helpers import (
@@ -523,3 +524,25 @@ async def test_sigterm_drains_a_session_process() -> None:
             assert await asyncio.to_thread(proc.proc.wait, 15) == 0
         finally:
             await asyncio.to_thread(proc.terminate, 10)
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_its_call_ends(stack: InProcessStack) -> None:
+    """Errors that echo 200 KB event ids, never read: each answer is larger than the client's
+    64 KiB window, so the handler waits in a write. The session's queue overflows, the session is
+    closed, and the call ends now (``duplex_session_streams``), not when the client goes away."""
+    cut_before = sample("duplex_session_errors_total", {"code": "slow_consumer"})
+    streams_before = sample("duplex_session_streams")
+    options = [("grpc.http2.bdp_probe", 0)]  # else the client grows its window and buffers it all
+    async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
+        call = session_pb2_grpc.DuplexSessionStub(ch).Converse(timeout=30)
+        await call.write(open_event())
+        assert (await call.read()).HasField("opened")  # type: ignore[attr-defined]
+        assert sample("duplex_session_streams") == streams_before + 1
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+            for _ in range(36):  # 7 MB of echoes, more than the session's 4 MiB queue
+                await asyncio.wait_for(call.write(session_pb2.ClientEvent(event_id="x" * 200_000)), 5)
+        async with asyncio.timeout(10):
+            while sample("duplex_session_streams") != streams_before or len(stack.session.manager):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        call.cancel()
+    assert sample("duplex_session_errors_total", {"code": "slow_consumer"}) == cut_before + 1
