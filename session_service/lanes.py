@@ -9,10 +9,12 @@ overtakes ``audio_cancelled``), the same attach, detach and resume.
 - The stream's **reader** routes each event to its lane, in order. A lane's first event must be
   ``open`` or ``resume``; it is started in a task of its own (an open waits on a worker: the
   other lanes go on meanwhile), and its later events wait, bounded, until it is open.
-- Each lane's **pump** takes what its session's queue holds (up to ``MAX_DRAIN`` events) into the
-  stream's next message, and asks for more only once that message is written: so, as on
-  ``Converse``, the queue knows when a lane's last event is out (a resume elsewhere waits for it).
-- The handler **writes** one ``ServerBatch`` with everything the pumps gave since the last write.
+- The handler **writes**. Each lane's session queue tells the stream when it may have something
+  (``Outbound.listen``); the writer then takes what every such lane holds (up to ``MAX_DRAIN``
+  events each) into one ``ServerBatch``, writes it, and tells each queue it is written
+  (``Outbound.wrote``): so, as on ``Converse``, the queue knows when a lane's last event is out
+  (a resume elsewhere waits for it). There is no task per lane: a lane costs the stream a task
+  switch only while it opens.
 
 One stream shares one flow control: a lane whose session's mailbox is full holds up the stream's
 reading (as it would hold up its own ``Converse`` stream), and a client that stops reading is cut
@@ -115,6 +117,8 @@ class _Lane:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once ``pending`` is handed on (or the open failed): the reader may post directly."""
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    over: bool = False
+    """Ended (its name may already be another lane's)."""
 
 
 class LaneStream:
@@ -129,8 +133,10 @@ class LaneStream:
         self._open_timeout_s = open_timeout_s
         self._lanes: dict[str, _Lane] = {}
         self._out: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]] = []
+        """The stream's own answers, written before the lanes' events of the same message."""
+        self._ready: dict[_Lane, None] = {}
+        """Lanes whose session queue may have something to take (in the order they said so)."""
         self._wake = asyncio.Event()
-        self._flushed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._refused = 0
         self._opened_any = False
         self._half_closed = False
@@ -154,7 +160,7 @@ class LaneStream:
 
     async def _write_loop(self) -> None:
         while not (self._dropped or self._cut.done):
-            if not self._out:
+            if not (self._out or self._ready):
                 if self._half_closed and not self._lanes:
                     return  # every lane ended after the client half-closed: the call is done
                 self._wake.clear()
@@ -162,15 +168,46 @@ class LaneStream:
                 continue
             items, self._out = self._out, []
             self._answer_bytes = 0
-            flushed, self._flushed = self._flushed, asyncio.get_running_loop().create_future()
-            ok = True
+            took, over = self._take(items)
             for batch in _batches(items):
-                ok = await self._cut.write(batch)
-                if not ok:
-                    break
-            flushed.set_result(ok)  # the pumps whose events these were may take more
-            if not ok:
-                return
+                if not await self._cut.write(batch):
+                    return  # the call is over (``_let_go`` lets every lane go)
+            for lane in took:
+                assert lane.runner is not None
+                lane.runner.outbound.wrote(lane.attachment)
+            for lane in over:
+                self._lane_over(lane)
+
+    def _take(
+        self, items: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]]
+    ) -> tuple[list[_Lane], list[_Lane]]:
+        """What the ready lanes' sessions have to say, into ``items``; the lanes that took
+        something, and those that end once it is written."""
+        ready, self._ready = self._ready, {}
+        took: list[_Lane] = []
+        over: list[_Lane] = []
+        for lane in ready:
+            if lane.over or lane.runner is None:
+                continue
+            events, ends = lane.runner.outbound.take(lane.attachment, MAX_DRAIN)
+            if events:
+                items.extend((lane.name, ev) for ev in events)
+                took.append(lane)
+            if ends:
+                over.append(lane)
+            elif len(events) == MAX_DRAIN:
+                self._ready[lane] = None  # more may wait: the next message
+        return took, over
+
+    def _lane_over(self, lane: _Lane) -> None:
+        """The lane's session ended (or another stream resumed it, and its farewell is out)."""
+        assert lane.runner is not None
+        lane.runner.outbound.detached(lane.attachment)
+        self._end_lane(lane, None)
+
+    def _mark(self, lane: _Lane) -> None:
+        self._ready[lane] = None
+        self._wake.set()
 
     def _put(self, lane: str, item: session_pb2.ServerEvent | session_pb2.LaneEnded) -> None:
         self._out.append((lane, item))
@@ -319,7 +356,8 @@ class LaneStream:
         lane.attachment = runner.attach_stream(
             on_slow_consumer=self._slow_consumer, cut_off=self._slow_consumer, acks_on_output=acks_on_output
         )
-        lane.tasks.append(asyncio.create_task(self._pump(lane)))
+        runner.outbound.listen(lane.attachment, lambda: self._mark(lane))
+        self._mark(lane)  # ``opened`` is queued already
         while lane.pending:  # in order, before anything the reader gets from now on
             await runner.post(lane.pending.pop(0))
         lane.ready.set()
@@ -336,34 +374,11 @@ class LaneStream:
             ERRORS_BY_CODE[err.code].inc()
         lane.pending.clear()
         lane.ready.set()
+        lane.over = True
         if self._lanes.get(lane.name) is lane:
             del self._lanes[lane.name]
             LANES.dec()
         self._answer(lane.name, ended(err))
-
-    async def _pump(self, lane: _Lane) -> None:
-        """The lane's session output into the stream's next message, until the session ends
-        (or another stream resumed it: its farewell is the last event)."""
-        assert lane.runner is not None
-        outbound, attachment = lane.runner.outbound, lane.attachment
-        try:
-            while True:
-                ev = await outbound.get(attachment)
-                if ev is None:
-                    break
-                self._put(lane.name, ev)
-                n = 1
-                while n < MAX_DRAIN and outbound.current_attachment == attachment:
-                    more = outbound.get_nowait()
-                    if more is None:
-                        break
-                    self._out.append((lane.name, more))
-                    n += 1
-                if not await self._flushed:  # asks again only once written (see Outbound.get)
-                    return
-        finally:
-            outbound.detached(attachment)
-        self._end_lane(lane, None)
 
     # ---- the end -----------------------------------------------------------------------------
 
@@ -381,11 +396,8 @@ class LaneStream:
                 await t
         for lane in lanes:
             runner = lane.runner
-            if (
-                runner is not None
-                and not runner.closed
-                and runner.outbound.current_attachment == lane.attachment
-            ):
+            if runner is None:
+                continue
+            runner.outbound.detached(lane.attachment)  # it writes nothing more (a resume may go)
+            if not runner.closed and runner.outbound.current_attachment == lane.attachment:
                 runner.detach()
-        if not self._flushed.done():
-            self._flushed.set_result(False)

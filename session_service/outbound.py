@@ -9,6 +9,12 @@ it took just before (a write is an await); the new stream takes nothing until th
 done, so nothing the old stream sends can follow what the new one sends (an ``audio_cancelled``
 on the new stream is never followed by older audio on the old one). A displaced stream that does
 not finish its write within ``HANDOVER_TIMEOUT_S`` (its client stopped reading) is cut off.
+
+A stream takes events in one of two ways. A ``Converse`` stream has a task per session waiting
+in ``get``. A ``ConverseMany`` stream, which holds many sessions, has one writer for all of them:
+each session's queue calls the stream back (``listen``) when it may have something, and the writer
+then ``take``s what is there without waiting, and says when it has ``wrote`` it. The handover
+rules are the same for both, and a session may move between the two kinds of stream.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class Outbound:
         self._written = asyncio.Event()
         self._written.set()
         self._cut_offs: dict[int, Callable[[], None]] = {}
+        self._listeners: dict[int, Callable[[], None]] = {}
+        self._handover_timer: tuple[int, asyncio.TimerHandle] | None = None
+        """(the displaced writer a ``take`` waits for, the timer that cuts it off)."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -77,7 +86,7 @@ class Outbound:
             raise OutboundOverflow(f"{self._bytes} bytes unread")
         self._bytes += size
         self._items.append(_Item(event, epoch, size))
-        self._wake.set()
+        self._signal()
 
     def merge_ack(self, seq: int, epoch: int) -> bool:
         """Fold an ``input_ack`` into the one at the tail of the queue, when that one is of the
@@ -102,7 +111,7 @@ class Outbound:
             size = event.ByteSize()
             self._bytes += size
             self._items.appendleft(_Item(event, None, size))
-            self._wake.set()
+            self._signal()
 
     def purge_before(self, epoch: int) -> int:
         """Drop queued epoch-bound output older than ``epoch``; returns how many."""
@@ -132,19 +141,43 @@ class Outbound:
         self._attachment += 1
         if cut_off is not None:
             self._cut_offs[self._attachment] = cut_off
-        self._wake.set()
+        self._signal()
         return self._attachment
+
+    def _signal(self) -> None:
+        """Something may be there to take: wake ``get`` and call the listeners."""
+        self._wake.set()
+        for on_ready in self._listeners.values():
+            on_ready()
+
+    def listen(self, attachment: int, on_ready: Callable[[], None]) -> None:
+        """Call ``on_ready`` (at once, from whichever code queues) whenever the stream holding
+        ``attachment`` may have something to ``take``: an event queued, the queue closed, the
+        stream displaced (its farewell waits), or a displaced stream's last write done. Until
+        ``detached``."""
+        self._listeners[attachment] = on_ready
 
     def detached(self, attachment: int) -> None:
         """The stream holding ``attachment`` ended: it writes nothing more."""
         self._cut_offs.pop(attachment, None)
         self._farewells.pop(attachment, None)
+        self._listeners.pop(attachment, None)
+        self._wrote(attachment)
+
+    def wrote(self, attachment: int) -> None:
+        """The stream holding ``attachment`` has written everything it took (``take``)."""
         self._wrote(attachment)
 
     def _wrote(self, attachment: int) -> None:
         if self._writer == attachment:
             self._writer = 0
             self._written.set()
+            if self._handover_timer is not None and self._handover_timer[0] == attachment:
+                self._handover_timer[1].cancel()
+                self._handover_timer = None
+            if attachment != self._attachment:  # a displaced stream's last write: the new one may go
+                for on_ready in self._listeners.values():
+                    on_ready()
 
     async def _handover(self, attachment: int) -> None:
         """Wait until no displaced stream is still writing (or cut it off)."""
@@ -162,6 +195,16 @@ class Outbound:
                 cut_off()
             self._wrote(writer)
 
+    def _handover_late(self, writer: int) -> None:
+        """A displaced stream did not finish its write in time: cut it off, and let the new
+        one go (``take``'s side of ``_handover``)."""
+        self._handover_timer = None
+        if self._writer == writer:
+            cut_off = self._cut_offs.pop(writer, None)
+            if cut_off is not None:
+                cut_off()
+            self._wrote(writer)
+
     def close(self, *, drop: bool = False) -> None:
         """No more events; consumers drain what is queued (or nothing, with ``drop``: the memory
         goes at once), then get None."""
@@ -169,7 +212,7 @@ class Outbound:
         if drop:
             self._items.clear()
             self._bytes = 0
-        self._wake.set()
+        self._signal()
 
     async def get(self, attachment: int) -> session_pb2.ServerEvent | None:
         """The next event for the stream holding ``attachment``; None when it should end.
@@ -191,6 +234,32 @@ class Outbound:
                 return None
             self._wake.clear()
             await self._wake.wait()
+
+    def take(self, attachment: int, limit: int) -> tuple[list[session_pb2.ServerEvent], bool]:
+        """Up to ``limit`` events for the stream holding ``attachment``, without waiting, and
+        whether that stream should end once it has written them (it was displaced: its farewell
+        is its last event; or the queue is closed and empty). ``get``'s rules hold: nothing is
+        taken while a displaced stream's last write is not done (the listener is called when it
+        is, or when that stream is cut off after ``HANDOVER_TIMEOUT_S``), and the stream says
+        when it has written what it took (``wrote``) before it takes again."""
+        if attachment != self._attachment:
+            farewell = self._farewells.pop(attachment, None)
+            return ([farewell] if farewell is not None else []), True
+        writer = self._writer
+        if writer not in (0, attachment):
+            if self._handover_timer is None or self._handover_timer[0] != writer:
+                timer = asyncio.get_running_loop().call_later(HANDOVER_TIMEOUT_S, self._handover_late, writer)
+                self._handover_timer = (writer, timer)
+            return [], False
+        events: list[session_pb2.ServerEvent] = []
+        while len(events) < limit:
+            event = self.get_nowait()
+            if event is None:
+                break
+            events.append(event)
+        if events:
+            self._writer = attachment
+        return events, self._closed and not self._items
 
     def get_nowait(self) -> session_pb2.ServerEvent | None:
         """The next deliverable event, or None when none is queued now."""

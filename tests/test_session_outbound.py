@@ -164,3 +164,91 @@ async def test_the_emitter_numbers_a_folded_ack_once_and_every_event_stays_conse
     per_append.acks([Ack(1, 1, (0.0,))])
     per_append.acks([Ack(2, 1, (0.0,))])
     assert [e.input_ack.seq for e in (plain.get_nowait(), plain.get_nowait()) if e is not None] == [1, 2]
+
+
+# ---- a stream that takes without waiting (ConverseMany's writer) ------------------------------
+
+
+async def test_take_tells_its_listener_and_keeps_get_s_rules() -> None:
+    """A listener is told of everything a ``take`` may find; a take stops at its limit, an
+    epoch the session left is dropped on the way out, and a closed, drained queue ends."""
+    epoch = 1
+    out = Outbound(lambda: epoch)
+    att = out.attach()
+    told: list[int] = []
+    out.listen(att, lambda: told.append(1))
+    out.put(_audio(1), epoch=1)
+    out.put(_audio(1), epoch=1)
+    out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
+    assert len(told) == 3
+    events, ends = out.take(att, 2)
+    assert [_kind(e) for e in events] == ["audio_delta", "audio_delta"] and not ends
+    out.wrote(att)
+    out.put(_audio(1), epoch=1)
+    epoch = 2  # left without a purge: the exit check drops it
+    out.close()
+    events, ends = out.take(att, 10)
+    assert [_kind(e) for e in events] == ["committed"] and ends
+    out.detached(att)
+    before = len(told)
+    out.put_front(session_pb2.ServerEvent(opened=session_pb2.SessionOpened()))
+    assert len(told) == before  # a detached stream hears nothing more
+
+
+async def test_a_taking_stream_resumed_elsewhere_waits_for_the_displaced_one_s_write() -> None:
+    """The handover between the two kinds of stream, both ways: a ``get`` stream waits until a
+    displaced taking stream says it wrote what it took, and a taking stream takes nothing until
+    a displaced ``get`` stream asks again (its listener is told when it does)."""
+    epoch = 1
+    out = Outbound(lambda: epoch)
+    out.put(_audio(1), epoch=1)
+    taker = out.attach()
+    events, _ = out.take(taker, 10)
+    assert len(events) == 1  # ... and now being written
+    farewell = session_pb2.ServerEvent(closed=session_pb2.SessionClosed(reason="resumed_elsewhere"))
+    getter = out.attach(farewell=farewell)
+    epoch = 2
+    out.put(session_pb2.ServerEvent(audio_cancelled=session_pb2.AudioCancelled(cancelled_epoch=1, epoch=2)))
+    got = asyncio.ensure_future(out.get(getter))
+    await asyncio.sleep(0.05)
+    assert not got.done(), "the new stream took an event while the displaced one was still writing"
+    out.wrote(taker)
+    assert _kind(await asyncio.wait_for(got, 1)) == "audio_cancelled"
+    events, ends = out.take(taker, 10)
+    assert [_kind(e) for e in events] == ["closed"] and ends  # its farewell, then it ends
+    out.detached(taker)
+
+    # And back: the get stream is writing what it took when a taking stream resumes.
+    out.put(_audio(2), epoch=2)
+    assert _kind(await out.get(getter)) == "audio_delta"
+    told: list[int] = []
+    taker2 = out.attach(farewell=farewell)
+    out.listen(taker2, lambda: told.append(1))
+    out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
+    assert out.take(taker2, 10) == ([], False)
+    told.clear()
+    assert _kind(await out.get(getter)) == "closed"  # it asks again: its write is done
+    assert told, "the taking stream was not told that it may go"
+    events, _ = out.take(taker2, 10)
+    assert [_kind(e) for e in events] == ["committed"]
+
+
+async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_for_a_taking_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("session_service.outbound.HANDOVER_TIMEOUT_S", 0.05)
+    out = Outbound(lambda: 1)
+    cut: list[int] = []
+    out.put(_audio(1), epoch=1)
+    out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
+    old = out.attach(cut_off=lambda: cut.append(1))
+    assert _kind(await out.get(old)) == "audio_delta"  # its client stopped reading: never written
+    new = out.attach()
+    ready = asyncio.Event()
+    out.listen(new, ready.set)
+    ready.clear()
+    assert out.take(new, 10) == ([], False)
+    await asyncio.wait_for(ready.wait(), 1)  # told once the stuck stream is cut off
+    assert cut == [1]
+    events, _ = out.take(new, 10)
+    assert [_kind(e) for e in events] == ["committed"]
