@@ -312,10 +312,11 @@ class LaneStream:
                 ev.event_id,
             )
             return
-        kind = ev.WhichOneof("event")
-        EVENTS_IN[kind or "none"].inc()
         lane = self._lanes.get(name)
         if lane is None:
+            # Counted here: no runner sees it (a runner counts the events it is given).
+            kind = ev.WhichOneof("event")
+            EVENTS_IN[kind or "none"].inc()
             if kind not in ("open", "resume"):
                 ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
                 self._refused += 1

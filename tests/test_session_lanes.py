@@ -125,7 +125,12 @@ async def test_lanes_each_get_only_their_own_reply_and_share_messages(stack: InP
         assert ids == {done.response_id}, (name, session_id, ids)
 
 
+def _events_in(kind: str) -> float:
+    return sample("duplex_session_events_total", {"direction": "in", "type": kind})
+
+
 async def test_a_lane_ends_with_its_own_status_while_the_others_go_on(stack: InProcessStack) -> None:
+    appends_before, opens_before = _events_in("append"), _events_in("open")
     async with grpc.aio.insecure_channel(stack.target) as ch:
         call = LaneCall(ch).start()
         ok = open_event()
@@ -168,6 +173,9 @@ async def test_a_lane_ends_with_its_own_status_while_the_others_go_on(stack: InP
     assert call.status == grpc.StatusCode.OK
     assert [e.status for e in call.ended["bad"]] == [grpc.StatusCode.INVALID_ARGUMENT.value[0], 0]
     assert len(stack.session.manager) == 0
+    # Every client event is counted once, whether a runner took it or the stream answered it:
+    # five appends (one refused on "ghost"), three opens (the unusable names are not events).
+    assert (_events_in("append") - appends_before, _events_in("open") - opens_before) == (5, 3)
 
 
 async def test_a_stream_that_never_opens_a_lane_is_ended(stack: InProcessStack) -> None:
