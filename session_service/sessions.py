@@ -108,6 +108,8 @@ class SessionManager:
         self._placer = placer
         self._keys = config.resume_keys or ResumeKeys.ephemeral()
         self._max_age_s = resume_max_age_s
+        self._issued: dict[str, tuple[str, ResumeClaims]] = {}
+        """The last token ``_current_token`` issued for each session held, with its claims."""
         self._wall_clock = wall_clock
         self._clock = clock
         self.capabilities = dataclasses.replace(
@@ -158,6 +160,7 @@ class SessionManager:
         self.registry.remove(runner)
         if self.registry.get(runner.session_id) is None:
             self._client_extra.pop(runner.session_id, None)
+            self._issued.pop(runner.session_id, None)
         ACTIVE_SESSIONS.set(len(self.registry))
 
     def _admit(self, principal: str) -> None:
@@ -256,20 +259,26 @@ class SessionManager:
 
     def _current_token(self, claims: ResumeClaims, token: str) -> str:
         """``token`` if it still says what ``claims`` say and is less than half its life old;
-        otherwise a new one (raises ``ResumeTokenTooLargeError``)."""
-        try:
-            held = decode(
-                self._keys,
-                token,
-                session_id=claims.session_id,
-                max_age_s=self._max_age_s / 2,
-                now=self._wall_clock(),
-            )
-        except InvalidResumeTokenError:
-            held = None
+        otherwise a new one (raises ``ResumeTokenTooLargeError``). What a token this replica
+        issued says is remembered (a session's token changes at every response: opening it
+        again each time would be most of the cost)."""
+        now = self._wall_clock()
+        issued = self._issued.get(claims.session_id)
+        held: ResumeClaims | None
+        if issued is not None and issued[0] == token:
+            held = issued[1] if now - issued[1].issued_at <= self._max_age_s / 2 else None
+        else:
+            try:
+                held = decode(
+                    self._keys, token, session_id=claims.session_id, max_age_s=self._max_age_s / 2, now=now
+                )
+            except InvalidResumeTokenError:
+                held = None
         if held is not None and held.same_state(claims):
             return token
-        return issue(self._keys, claims)
+        token = issue(self._keys, claims)
+        self._issued[claims.session_id] = (token, claims)
+        return token
 
     def refresh_resume_token(self, runner: SessionRunner) -> str:
         """Bring ``runner.resume_token`` up to date with its settings (``update``s change them),

@@ -434,6 +434,31 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
+async def test_a_token_is_kept_while_it_says_the_session_s_state_and_is_young_and_renewed_after() -> None:
+    """The replica remembers what the tokens it issued say (it does not open its own token at
+    every response): the same state keeps the token, a new state or half its life gone renews it,
+    and a token it did not issue (a client's, after a takeover) is read to compare."""
+    clock = Clock()
+    a, _ = replica(clock=clock, resume_max_age_s=100.0)
+    r = await a.open(open_msg())
+    first = a.refresh_resume_token(r)
+    assert a.refresh_resume_token(r) == first
+    clock.t += 49
+    assert a.refresh_resume_token(r) == first
+    clock.t += 2  # past half its life: renewed, though the state is the same
+    second = a.refresh_resume_token(r)
+    assert second != first
+    assert resume.decode(SECRET, second, session_id=r.session_id, now=clock.t).issued_at == int(clock.t)
+    r.turn_id += 1  # the state moved on (what a response does)
+    third = a.refresh_resume_token(r)
+    assert third != second
+    assert resume.decode(SECRET, third, session_id=r.session_id, now=clock.t).progress.turn_id == r.turn_id
+    # A token issued elsewhere for the same state is read and kept.
+    b, _ = replica(clock=clock, resume_max_age_s=100.0)
+    assert b.refresh_resume_token(r) == third
+    await close_all(a, b)
+
+
 # ---- the worker the session lives on ------------------------------------------------------------
 
 
