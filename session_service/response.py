@@ -33,6 +33,12 @@ class InputTimeline:
     ``MIN_ALLOWANCE_S``. Only then is silence due; fed silence moves ``covered`` a frame at a
     time from at most the allowance behind, so a client that was quiet for long gets real-time
     silence from now on, not a burst that catches up.
+
+    An append covers at least up to the moment it arrived: a client that was behind (it started
+    streaming after the session opened, it paused, the network held it up) is current again
+    with its next append. Else the gap it left would stay: every later append would leave the
+    timeline at the edge of the allowance, the feeder would look at every frame, and jitter
+    would slip silence frames in between live audio.
     """
 
     def __init__(self, now: float) -> None:
@@ -41,9 +47,9 @@ class InputTimeline:
         self.allowance = MIN_ALLOWANCE_S
         """How far behind the client may fall before silence is due."""
 
-    def client(self, seconds: float) -> None:
-        """The client appended ``seconds`` of audio."""
-        self.covered += seconds
+    def client(self, seconds: float, received: float) -> None:
+        """The client appended ``seconds`` of audio, which arrived at ``received``."""
+        self.covered = max(self.covered + seconds, received)
         self.allowance = max(MIN_ALLOWANCE_S, 2 * seconds)
 
     def silence_due(self, now: float, frame_s: float) -> bool:

@@ -590,7 +590,7 @@ class SessionRunner:
         res.commit()
         self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes
         fmt = self.settings.input_format
-        self._timeline.client(len(ap.pcm) // fmt.frame_bytes / fmt.sample_rate_hz)
+        self._timeline.client(len(ap.pcm) // fmt.frame_bytes / fmt.sample_rate_hz, received)
         # Acked in the epoch of the client's numbering (older than the fence's when the client
         # appended on before it saw audio_cancelled, or the session moved meanwhile).
         if self.epoch == fence.epoch:

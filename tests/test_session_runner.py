@@ -733,13 +733,49 @@ async def test_the_silence_feeder_does_not_wake_every_frame_while_the_client_kee
     try:
         for _ in range(50):  # 1 s of 20 ms appends at real time
             await clock.advance(0.020, step=0.002)
-            timeline.client(0.020)
+            timeline.client(0.020, clock.now())
         assert requests == []
         assert len(looks) <= 15, len(looks)  # about one per 84 ms, where a per-frame tick is 31
         quiet_from = clock.now()
         await clock.advance(1.0, step=0.002)
         assert requests and requests[0] - quiet_from <= 0.1  # due after the 100 ms allowance
         assert abs(len(requests) - (1.0 - 0.1) / 0.032) <= 2, len(requests)
+    finally:
+        feeder.stop()
+
+
+async def test_a_client_that_was_behind_is_current_again_with_its_next_append() -> None:
+    """A client that starts streaming late (or pauses) gets silence while it is quiet; once it
+    streams at real time again it gets none between its appends, and the feeder goes back to a
+    few looks per second (a gap kept from before would leave the timeline at the allowance's
+    edge: a look every frame, and silence slipped in between live appends on any jitter)."""
+    clock = ManualClock()
+    timeline = InputTimeline(clock.now())
+    looks: list[float] = []
+    requests: list[float] = []
+
+    def due_in() -> float:
+        looks.append(clock.now())
+        return timeline.silence_due_in(clock.now(), 0.032)
+
+    def request() -> bool:
+        requests.append(clock.now())
+        timeline.silence(clock.now(), 0.032)
+        feeder.fed()
+        return True
+
+    feeder = SilenceFeeder(period_s=0.032, max_frames=1000, clock=clock, due_in=due_in, request=request)
+    feeder.start()
+    try:
+        await clock.advance(0.5, step=0.002)  # the client starts late: silence meanwhile
+        assert requests
+        timeline.client(0.020, clock.now())
+        fed, looked = len(requests), len(looks)
+        for i in range(50):  # then 1 s of 20 ms appends at real time (every other one seen 4 ms late)
+            await clock.advance(0.020, step=0.002)
+            timeline.client(0.020, clock.now() - 0.004 * (i % 2))
+        assert len(requests) == fed, "silence between real-time appends"
+        assert len(looks) - looked <= 15, len(looks) - looked
     finally:
         feeder.stop()
 
@@ -832,10 +868,10 @@ async def test_the_silence_feeder_notices_the_allowance_shrink_after_a_large_app
     try:
         for _ in range(10):
             await clock.advance(0.020, step=0.002)
-            timeline.client(0.020)
-        timeline.client(0.300)  # one 300 ms append, at once: allowance 600 ms
+            timeline.client(0.020, clock.now())
+        timeline.client(0.300, clock.now())  # one 300 ms append, at once: allowance 600 ms
         await clock.advance(0.100, step=0.002)
-        timeline.client(0.020)  # a small one: allowance back to 100 ms
+        timeline.client(0.020, clock.now())  # a small one: allowance back to 100 ms
         due = timeline.covered + timeline.allowance - 0.016
         await clock.advance(2.0, step=0.002)
         assert requests, "no silence at all"
