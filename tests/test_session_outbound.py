@@ -101,17 +101,24 @@ async def test_a_resumed_stream_takes_nothing_until_the_displaced_one_finished_i
     assert await out.get(old) is None
 
 
-async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_and_ending_releases_the_new_one(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr("session_service.outbound.HANDOVER_TIMEOUT_S", 0.05)
-    out = Outbound(lambda: 1)
+async def _displaced_while_writing(out: Outbound) -> tuple[int, list[int]]:
+    """A stream takes an audio event (its client stopped reading: the write never finishes) and
+    is displaced; a ``committed`` waits behind. The new stream's attachment, and the list the
+    stuck stream's cut-off appends to."""
     cut: list[int] = []
     out.put(_audio(1), epoch=1)
     out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
     old = out.attach(cut_off=lambda: cut.append(1))
     assert _kind(await out.get(old)) == "audio_delta"
-    new = out.attach()
+    return out.attach(), cut
+
+
+async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_and_ending_releases_the_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("session_service.outbound.HANDOVER_TIMEOUT_S", 0.05)
+    out = Outbound(lambda: 1)
+    new, cut = await _displaced_while_writing(out)
     # Its client stopped reading: the write never finishes. The new stream goes on after the
     # timeout, and the stuck stream's call is cut off.
     assert _kind(await asyncio.wait_for(out.get(new), 1)) == "committed"
@@ -238,12 +245,7 @@ async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_for_a_taking_strea
 ) -> None:
     monkeypatch.setattr("session_service.outbound.HANDOVER_TIMEOUT_S", 0.05)
     out = Outbound(lambda: 1)
-    cut: list[int] = []
-    out.put(_audio(1), epoch=1)
-    out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
-    old = out.attach(cut_off=lambda: cut.append(1))
-    assert _kind(await out.get(old)) == "audio_delta"  # its client stopped reading: never written
-    new = out.attach()
+    new, cut = await _displaced_while_writing(out)
     ready = asyncio.Event()
     out.listen(new, ready.set)
     ready.clear()

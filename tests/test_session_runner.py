@@ -709,12 +709,11 @@ async def test_silence_keeps_a_reply_at_real_time_once_the_client_goes_quiet() -
     assert abs(len(silence) * 0.032 - (2.0 - 0.1)) <= 0.064, len(silence)
 
 
-async def test_the_silence_feeder_does_not_wake_every_frame_while_the_client_keeps_up() -> None:
-    """While appends keep the input timeline at real time the feeder sleeps until the moment
-    silence would be due (each append moves it on): a few looks per second, not one per frame;
-    once the client goes quiet it feeds a frame each period."""
-    clock = ManualClock()
-    timeline = InputTimeline(clock.now())
+def _watched_feeder(
+    clock: ManualClock, timeline: InputTimeline
+) -> tuple[SilenceFeeder, list[float], list[float]]:
+    """A started feeder of 32 ms frames on ``timeline`` whose every look (``due_in``) and every
+    silence frame it asks for are recorded (a frame asked for is fed at once)."""
     looks: list[float] = []
     requests: list[float] = []
 
@@ -730,6 +729,16 @@ async def test_the_silence_feeder_does_not_wake_every_frame_while_the_client_kee
 
     feeder = SilenceFeeder(period_s=0.032, max_frames=1000, clock=clock, due_in=due_in, request=request)
     feeder.start()
+    return feeder, looks, requests
+
+
+async def test_the_silence_feeder_does_not_wake_every_frame_while_the_client_keeps_up() -> None:
+    """While appends keep the input timeline at real time the feeder sleeps until the moment
+    silence would be due (each append moves it on): a few looks per second, not one per frame;
+    once the client goes quiet it feeds a frame each period."""
+    clock = ManualClock()
+    timeline = InputTimeline(clock.now())
+    feeder, looks, requests = _watched_feeder(clock, timeline)
     try:
         for _ in range(50):  # 1 s of 20 ms appends at real time
             await clock.advance(0.020, step=0.002)
@@ -751,21 +760,7 @@ async def test_a_client_that_was_behind_is_current_again_with_its_next_append() 
     edge: a look every frame, and silence slipped in between live appends on any jitter)."""
     clock = ManualClock()
     timeline = InputTimeline(clock.now())
-    looks: list[float] = []
-    requests: list[float] = []
-
-    def due_in() -> float:
-        looks.append(clock.now())
-        return timeline.silence_due_in(clock.now(), 0.032)
-
-    def request() -> bool:
-        requests.append(clock.now())
-        timeline.silence(clock.now(), 0.032)
-        feeder.fed()
-        return True
-
-    feeder = SilenceFeeder(period_s=0.032, max_frames=1000, clock=clock, due_in=due_in, request=request)
-    feeder.start()
+    feeder, looks, requests = _watched_feeder(clock, timeline)
     try:
         await clock.advance(0.5, step=0.002)  # the client starts late: silence meanwhile
         assert requests
