@@ -147,6 +147,9 @@ class Outbound:
     def _signal(self) -> None:
         """Something may be there to take: wake ``get`` and call the listeners."""
         self._wake.set()
+        self._tell_listeners()
+
+    def _tell_listeners(self) -> None:
         for on_ready in self._listeners.values():
             on_ready()
 
@@ -176,28 +179,23 @@ class Outbound:
                 self._handover_timer[1].cancel()
                 self._handover_timer = None
             if attachment != self._attachment:  # a displaced stream's last write: the new one may go
-                for on_ready in self._listeners.values():
-                    on_ready()
+                self._tell_listeners()
 
-    async def _handover(self, attachment: int) -> None:
-        """Wait until no displaced stream is still writing (or cut it off)."""
+    def _handed_over(self, attachment: int) -> bool:
+        """Whether the stream holding ``attachment`` may take now: no displaced stream is still
+        writing. If one is, the timer that cuts it off after ``HANDOVER_TIMEOUT_S`` is armed
+        (once per displaced writer, whichever kind of stream waits for it)."""
         writer = self._writer
         if writer in (0, attachment):
-            return
-        try:
-            async with asyncio.timeout(HANDOVER_TIMEOUT_S):
-                while self._writer not in (0, attachment):
-                    self._written.clear()
-                    await self._written.wait()
-        except TimeoutError:
-            cut_off = self._cut_offs.pop(writer, None)
-            if cut_off is not None:
-                cut_off()
-            self._wrote(writer)
+            return True
+        if self._handover_timer is None or self._handover_timer[0] != writer:
+            timer = asyncio.get_running_loop().call_later(HANDOVER_TIMEOUT_S, self._handover_late, writer)
+            self._handover_timer = (writer, timer)
+        return False
 
     def _handover_late(self, writer: int) -> None:
         """A displaced stream did not finish its write in time: cut it off, and let the new
-        one go (``take``'s side of ``_handover``)."""
+        one go."""
         self._handover_timer = None
         if self._writer == writer:
             cut_off = self._cut_offs.pop(writer, None)
@@ -223,8 +221,9 @@ class Outbound:
         while True:
             if attachment != self._attachment:
                 return self._farewells.pop(attachment, None)
-            await self._handover(attachment)
-            if attachment != self._attachment:
+            if not self._handed_over(attachment):
+                self._written.clear()
+                await self._written.wait()  # set by the displaced stream's write, or its cut-off
                 continue
             event = self.get_nowait()
             if event is not None:
@@ -245,11 +244,7 @@ class Outbound:
         if attachment != self._attachment:
             farewell = self._farewells.pop(attachment, None)
             return ([farewell] if farewell is not None else []), True
-        writer = self._writer
-        if writer not in (0, attachment):
-            if self._handover_timer is None or self._handover_timer[0] != writer:
-                timer = asyncio.get_running_loop().call_later(HANDOVER_TIMEOUT_S, self._handover_late, writer)
-                self._handover_timer = (writer, timer)
+        if not self._handed_over(attachment):
             return [], False
         events: list[session_pb2.ServerEvent] = []
         while len(events) < limit:
