@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from duplex.errors import DuplexError, ErrorCode, abort
+from duplex.errors import CapacityError, DuplexError, ErrorCode, abort
 from duplex.v1 import session_pb2
 from session_service.auth import ANONYMOUS
 from session_service.metrics import ERRORS_BY_CODE
@@ -25,8 +25,12 @@ log = logging.getLogger(__name__)
 #: How long a half-close must stand before it counts as "close" (a cancel looks alike at first).
 HALF_CLOSE_GRACE_S = 0.05
 
-#: Why a client message that gRPC could not parse is refused (``invalid_event``).
-UNPARSABLE = "the client message is not a valid ClientEvent (malformed, or nested too deeply)"
+
+def unparsable(kind: str) -> str:
+    """Why a client message that gRPC could not parse is refused (``invalid_event``); ``kind``
+    names the message the call takes (``ClientEvent``, ``ClientBatch``)."""
+    return f"the client message is not a valid {kind} (malformed, or nested too deeply)"
+
 
 #: Events a stream may send before its first open (each answered ``session_not_open``) before
 #: the call is ended: a stream that never opens must not live on by sending junk.
@@ -149,11 +153,49 @@ async def open_or_resume(
     return None, False
 
 
-def not_open_error(event_id: str, refused: int) -> session_pb2.ServerEvent:
-    """The answer to an event sent before its session's open or resume."""
+def refusal(code: ErrorCode, message: str, event_id: str, refused: int) -> session_pb2.ServerEvent:
+    """The ``error`` event (counted by code) that refuses a client event no session took: sent
+    before its session's open or resume, or not usable at all. ``refused``: how many the call
+    refused so far, this one included (the events are numbered ``pre_N``)."""
+    ERRORS_BY_CODE[code.value].inc()
     return session_pb2.ServerEvent(
         event_id=f"pre_{refused}",
-        error=session_pb2.Error(
-            code=ErrorCode.SESSION_NOT_OPEN.value, message="open or resume a session first", event_id=event_id
-        ),
+        error=session_pb2.Error(code=code.value, message=message, event_id=event_id),
     )
+
+
+def not_open_error(event_id: str, refused: int) -> session_pb2.ServerEvent:
+    """``refusal`` of an event sent before its session's open or resume."""
+    return refusal(ErrorCode.SESSION_NOT_OPEN, "open or resume a session first", event_id, refused)
+
+
+def slow_consumer(what: str) -> CapacityError:
+    """How a call whose client did not read its events in time ends; ``what`` was closed."""
+    return CapacityError(
+        ErrorCode.SLOW_CONSUMER,
+        f"the client did not read its events in time; {what} is closed",
+        retryable=False,
+    )
+
+
+async def half_closed(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+    """Whether the client half-closed the call, once its requests ended. A cancelled RPC also
+    ends them, a moment before the cancellation is visible: wait ``HALF_CLOSE_GRACE_S`` so a
+    dropped stream is not mistaken for a half-close (which closes the session)."""
+    await asyncio.sleep(HALF_CLOSE_GRACE_S)
+    return not (context.cancelled() or context.done())
+
+
+async def close_if_current(runner: SessionRunner, attachment: int) -> None:
+    """Close the session of a stream the client half-closed, unless a resume took it over."""
+    if runner.outbound.current_attachment == attachment:
+        await runner.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+
+
+def let_go(runner: SessionRunner, attachment: int) -> None:
+    """The stream holding ``attachment`` is over: it writes nothing more, and a session it still
+    held (it ended without close: dropped, cancelled, cut off) waits the detached grace for a
+    resume, then releases what it holds."""
+    runner.outbound.detached(attachment)
+    if runner.outbound.current_attachment == attachment:
+        runner.detach()

@@ -34,13 +34,17 @@ import grpc
 from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, InternalError
 from duplex.v1 import session_pb2
 from session_service.calls import (
-    HALF_CLOSE_GRACE_S,
     MAX_REFUSED_BEFORE_OPEN,
-    UNPARSABLE,
     CallCut,
+    close_if_current,
+    half_closed,
+    let_go,
     not_open_error,
     open_or_resume,
     read_messages,
+    refusal,
+    slow_consumer,
+    unparsable,
 )
 from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN, LANES
 from session_service.runner import SessionRunner
@@ -116,9 +120,8 @@ class _Lane:
     """Events that came while the open was under way (or are being handed on after it)."""
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once ``pending`` is handed on (or the open failed): the reader may post directly."""
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    over: bool = False
-    """Ended (its name may already be another lane's)."""
+    opening: asyncio.Task[None] | None = None
+    """The task that opens it (``_open``)."""
 
 
 class LaneStream:
@@ -187,8 +190,8 @@ class LaneStream:
         took: list[_Lane] = []
         over: list[_Lane] = []
         for lane in ready:
-            if lane.over or lane.runner is None:
-                continue
+            if lane.runner is None or self._lanes.get(lane.name) is not lane:
+                continue  # ended (its name may already be another lane's)
             events, ends = lane.runner.outbound.take(lane.attachment, MAX_DRAIN)
             if events:
                 items.extend((lane.name, ev) for ev in events)
@@ -209,29 +212,20 @@ class LaneStream:
         self._ready[lane] = None
         self._wake.set()
 
-    def _put(self, lane: str, item: session_pb2.ServerEvent | session_pb2.LaneEnded) -> None:
-        self._out.append((lane, item))
-        self._wake.set()
-
     def _answer(self, lane: str, item: session_pb2.ServerEvent | session_pb2.LaneEnded) -> None:
         """Queue an answer of the stream's own; cut the client off if they pile up unread."""
         self._answer_bytes += item.ByteSize()
         if self._answer_bytes > MAX_UNWRITTEN_ANSWER_BYTES:
             self._slow_consumer()
             return
-        self._put(lane, item)
+        self._out.append((lane, item))
+        self._wake.set()
 
-    def _stream_error(self, code: ErrorCode, message: str, event_id: str = "") -> None:
-        """An ``error`` about the stream itself (lane ""): a message or a lane name not usable."""
-        ERRORS_BY_CODE[code.value].inc()
+    def _stream_error(self, message: str, event_id: str = "") -> None:
+        """An ``invalid_event`` about the stream itself (lane ""): a message or a lane name not
+        usable."""
         self._refused += 1
-        self._answer(
-            "",
-            session_pb2.ServerEvent(
-                event_id=f"pre_{self._refused}",
-                error=session_pb2.Error(code=code.value, message=message, event_id=event_id),
-            ),
-        )
+        self._answer("", refusal(ErrorCode.INVALID_EVENT, message, event_id, self._refused))
 
     def _end_call(self, err: DuplexError) -> None:
         """End the whole call with ``err``'s status, from any task (``CallCut``)."""
@@ -239,13 +233,7 @@ class LaneStream:
         self._wake.set()
 
     def _slow_consumer(self) -> None:
-        self._end_call(
-            CapacityError(
-                ErrorCode.SLOW_CONSUMER,
-                "the client did not read its events in time; the stream is closed",
-                retryable=False,
-            )
-        )
+        self._end_call(slow_consumer("the stream"))
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -266,9 +254,7 @@ class LaneStream:
                     self._end_call(BadRequestError(ErrorCode.SESSION_NOT_OPEN, "no open or resume in time"))
                     return
                 if batch is None:
-                    self._stream_error(
-                        ErrorCode.INVALID_EVENT, UNPARSABLE.replace("ClientEvent", "ClientBatch")
-                    )
+                    self._stream_error(unparsable("ClientBatch"))
                 else:
                     for item in batch.events:
                         await self._route(item)
@@ -287,16 +273,13 @@ class LaneStream:
             log.exception("reading a ConverseMany stream failed")
             self._lost()
             return
-        # A cancelled RPC also ends the request iterator, a moment before the cancellation is
-        # visible: wait briefly so a dropped stream is not mistaken for a half-close (which closes).
-        await asyncio.sleep(HALF_CLOSE_GRACE_S)
-        if self._context.cancelled() or self._context.done():
+        if not await half_closed(self._context):
             self._lost()
             return
         self._half_closed = True
         for lane in list(self._lanes.values()):
             if lane.ready.is_set() and lane.runner is not None:
-                await self._close(lane)  # one still opening closes once open (see _open)
+                await close_if_current(lane.runner, lane.attachment)  # one opening closes once open
         self._wake.set()
 
     def _lost(self) -> None:
@@ -305,20 +288,17 @@ class LaneStream:
 
     async def _route(self, item: session_pb2.LaneEvent) -> None:
         name, ev = item.lane, item.event
-        if not lane_name_ok(name):
-            self._stream_error(
-                ErrorCode.INVALID_EVENT,
-                f"a lane is named by 1 to {MAX_LANE_NAME} printable ASCII characters",
-                ev.event_id,
-            )
-            return
         lane = self._lanes.get(name)
         if lane is None:
+            if not lane_name_ok(name):  # (a lane's name was looked at when it opened)
+                self._stream_error(
+                    f"a lane is named by 1 to {MAX_LANE_NAME} printable ASCII characters", ev.event_id
+                )
+                return
             # Counted here: no runner sees it (a runner counts the events it is given).
             kind = ev.WhichOneof("event")
             EVENTS_IN[kind or "none"].inc()
             if kind not in ("open", "resume"):
-                ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
                 self._refused += 1
                 self._answer(name, not_open_error(ev.event_id, self._refused))
                 return
@@ -330,7 +310,7 @@ class LaneStream:
             self._opened_any = True
             lane = self._lanes[name] = _Lane(name)
             LANES.inc()
-            lane.tasks.append(asyncio.create_task(self._open(lane, ev)))
+            lane.opening = asyncio.create_task(self._open(lane, ev))
             return
         while not lane.ready.is_set():
             if len(lane.pending) < MAX_PENDING:
@@ -363,19 +343,13 @@ class LaneStream:
             await runner.post(lane.pending.pop(0))
         lane.ready.set()
         if self._half_closed:
-            await self._close(lane)
-
-    async def _close(self, lane: _Lane) -> None:
-        runner = lane.runner
-        if runner is not None and runner.outbound.current_attachment == lane.attachment:
-            await runner.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+            await close_if_current(runner, lane.attachment)
 
     def _end_lane(self, lane: _Lane, err: DuplexError | None) -> None:
         if err is not None:
             ERRORS_BY_CODE[err.code].inc()
         lane.pending.clear()
         lane.ready.set()
-        lane.over = True
         if self._lanes.get(lane.name) is lane:
             del self._lanes[lane.name]
             LANES.dec()
@@ -384,21 +358,17 @@ class LaneStream:
     # ---- the end -----------------------------------------------------------------------------
 
     async def _let_go(self) -> None:
-        """The call is over: every lane's tasks stop, and a session whose stream this was waits
+        """The call is over: opens under way stop, and a session whose stream this was waits
         the detached grace for a resume (as after a dropped ``Converse``)."""
         lanes = list(self._lanes.values())
         self._lanes.clear()
         LANES.dec(len(lanes))
-        tasks = [t for lane in lanes for t in lane.tasks]
+        tasks = [lane.opening for lane in lanes if lane.opening is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         for lane in lanes:
-            runner = lane.runner
-            if runner is None:
-                continue
-            runner.outbound.detached(lane.attachment)  # it writes nothing more (a resume may go)
-            if not runner.closed and runner.outbound.current_attachment == lane.attachment:
-                runner.detach()
+            if lane.runner is not None:
+                let_go(lane.runner, lane.attachment)

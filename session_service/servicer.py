@@ -18,17 +18,20 @@ from typing import Any, NoReturn
 
 import grpc
 
-from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, FencedError, abort
+from duplex.errors import BadRequestError, DuplexError, ErrorCode, FencedError, abort
 from duplex.v1 import session_pb2, session_pb2_grpc
 from session_service.auth import PrincipalOf, anonymous
 from session_service.calls import (
-    HALF_CLOSE_GRACE_S,
     MAX_REFUSED_BEFORE_OPEN,
-    UNPARSABLE,
     CallCut,
+    close_if_current,
+    half_closed,
+    let_go,
     not_open_error,
     open_or_resume,
     read_messages,
+    slow_consumer,
+    unparsable,
     write_message,
 )
 from session_service.lanes import LaneStream
@@ -92,7 +95,9 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                     context, BadRequestError(ErrorCode.SESSION_NOT_OPEN, "no open or resume in time")
                 )
             if ev is None:
-                await self._abort(context, BadRequestError(ErrorCode.INVALID_EVENT, UNPARSABLE))
+                await self._abort(
+                    context, BadRequestError(ErrorCode.INVALID_EVENT, unparsable("ClientEvent"))
+                )
             kind = ev.WhichOneof("event")
             EVENTS_IN[kind or "none"].inc()
             try:
@@ -109,7 +114,6 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                             f"no open or resume in the first {MAX_REFUSED_BEFORE_OPEN} events",
                         ),
                     )
-                ERRORS_BY_CODE[ErrorCode.SESSION_NOT_OPEN.value].inc()
                 if not await write_message(context, not_open_error(ev.event_id, refused)):
                     return
         cut = CallCut(context)
@@ -117,13 +121,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         def on_slow_consumer() -> None:
             # From the runner, while this handler may be blocked writing to a client that does
             # not read: the call is aborted from another task, at once.
-            cut(
-                CapacityError(
-                    ErrorCode.SLOW_CONSUMER,
-                    "the client did not read its events in time; the session is closed",
-                    retryable=False,
-                )
-            )
+            cut(slow_consumer("the session"))
 
         def on_cut_off() -> None:
             # Displaced by a resume and still writing after the handover timeout.
@@ -142,14 +140,10 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
                     break  # the call ended while the write waited
             await cut.wait()  # when cut: the call ends with the cut's status, not OK
         finally:
-            runner.outbound.detached(attachment)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
-            if not runner.closed and runner.outbound.current_attachment == attachment:
-                # The stream ended without close (dropped, cancelled): the session waits a
-                # grace for a resume, then releases what it holds.
-                runner.detach()
+            let_go(runner, attachment)
 
     async def ConverseMany(  # type: ignore[override]  # a coroutine writing with context.write
         self,
@@ -198,11 +192,5 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         except Exception:
             log.exception("session %s: reading the client stream failed", runner.session_id)
             return
-        # A cancelled RPC also ends the request iterator, a moment before the cancellation is
-        # visible: wait briefly so a dropped stream is not mistaken for a half-close (which closes).
-        await asyncio.sleep(HALF_CLOSE_GRACE_S)
-        if context.cancelled() or context.done():
-            return
-        # Half-close by the client ends the session, unless a resumed stream has taken over.
-        if runner.outbound.current_attachment == attachment:
-            await runner.post(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        if await half_closed(context):
+            await close_if_current(runner, attachment)
