@@ -90,14 +90,16 @@ def ended(err: DuplexError | None) -> session_pb2.LaneEnded:
     )
 
 
-def _batches(
-    items: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]],
-) -> Iterator[session_pb2.ServerBatch]:
+#: What a stream writes: (lane, event or lane end, its size in bytes).
+_Output = tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded, int]
+
+
+def _batches(items: list[_Output]) -> Iterator[session_pb2.ServerBatch]:
     """``items`` as messages of about ``MAX_MESSAGE_BYTES`` at most (one item larger than that
     goes alone), so a client's receive limit (4 MiB by gRPC's default) is never reached."""
     batch, size = session_pb2.ServerBatch(), 0
-    for lane, item in items:
-        n = item.ByteSize() + len(lane) + 16
+    for lane, item, item_size in items:
+        n = item_size + len(lane) + 16
         if size and size + n > MAX_MESSAGE_BYTES:
             yield batch
             batch, size = session_pb2.ServerBatch(), 0
@@ -135,7 +137,7 @@ class LaneStream:
         self._principal = principal
         self._open_timeout_s = open_timeout_s
         self._lanes: dict[str, _Lane] = {}
-        self._out: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]] = []
+        self._out: list[_Output] = []
         """The stream's own answers, written before the lanes' events of the same message."""
         self._ready: dict[_Lane, None] = {}
         """Lanes whose session queue may have something to take (in the order they said so)."""
@@ -181,9 +183,7 @@ class LaneStream:
             for lane in over:
                 self._lane_over(lane)
 
-    def _take(
-        self, items: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]]
-    ) -> tuple[list[_Lane], list[_Lane]]:
+    def _take(self, items: list[_Output]) -> tuple[list[_Lane], list[_Lane]]:
         """What the ready lanes' sessions have to say, into ``items``; the lanes that took
         something, and those that end once it is written."""
         ready, self._ready = self._ready, {}
@@ -194,7 +194,7 @@ class LaneStream:
                 continue  # ended (its name may already be another lane's)
             events, ends = lane.runner.outbound.take(lane.attachment, MAX_DRAIN)
             if events:
-                items.extend((lane.name, ev) for ev in events)
+                items.extend((lane.name, ev, size) for ev, size in events)
                 took.append(lane)
             if ends:
                 over.append(lane)
@@ -214,11 +214,12 @@ class LaneStream:
 
     def _answer(self, lane: str, item: session_pb2.ServerEvent | session_pb2.LaneEnded) -> None:
         """Queue an answer of the stream's own; cut the client off if they pile up unread."""
-        self._answer_bytes += item.ByteSize()
+        size = item.ByteSize()
+        self._answer_bytes += size
         if self._answer_bytes > MAX_UNWRITTEN_ANSWER_BYTES:
             self._slow_consumer()
             return
-        self._out.append((lane, item))
+        self._out.append((lane, item, size))
         self._wake.set()
 
     def _stream_error(self, message: str, event_id: str = "") -> None:

@@ -234,8 +234,10 @@ class Outbound:
             self._wake.clear()
             await self._wake.wait()
 
-    def take(self, attachment: int, limit: int) -> tuple[list[session_pb2.ServerEvent], bool]:
-        """Up to ``limit`` events for the stream holding ``attachment``, without waiting, and
+    def take(self, attachment: int, limit: int) -> tuple[list[tuple[session_pb2.ServerEvent, int]], bool]:
+        """Up to ``limit`` events for the stream holding ``attachment``, each with its size in
+        bytes as it was queued (an ack folded into it since may be a byte or two more), without
+        waiting, and
         whether that stream should end once it has written them (it was displaced: its farewell
         is its last event; or the queue is closed and empty). ``get``'s rules hold: nothing is
         taken while a displaced stream's last write is not done (the listener is called when it
@@ -243,21 +245,25 @@ class Outbound:
         when it has written what it took (``wrote``) before it takes again."""
         if attachment != self._attachment:
             farewell = self._farewells.pop(attachment, None)
-            return ([farewell] if farewell is not None else []), True
+            return ([(farewell, farewell.ByteSize())] if farewell is not None else []), True
         if not self._handed_over(attachment):
             return [], False
-        events: list[session_pb2.ServerEvent] = []
+        events: list[tuple[session_pb2.ServerEvent, int]] = []
         while len(events) < limit:
-            event = self.get_nowait()
-            if event is None:
+            item = self._next()
+            if item is None:
                 break
-            events.append(event)
+            events.append((item.event, item.size))
         if events:
             self._writer = attachment
         return events, self._closed and not self._items
 
     def get_nowait(self) -> session_pb2.ServerEvent | None:
         """The next deliverable event, or None when none is queued now."""
+        item = self._next()
+        return item.event if item is not None else None
+
+    def _next(self) -> _Item | None:
         while self._items:
             item = self._items.popleft()
             self._bytes -= item.size
@@ -265,5 +271,5 @@ class Outbound:
                 DROPPED[DropReason.STALE_EPOCH].inc()
                 continue
             EVENTS_OUT[item.event.WhichOneof("event") or "none"].inc()
-            return item.event
+            return item
         return None

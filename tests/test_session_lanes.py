@@ -412,18 +412,18 @@ def test_a_server_message_is_cut_near_max_message_bytes_keeping_order() -> None:
         session_pb2.ServerEvent(event_id="big", audio_delta=session_pb2.AudioDelta(pcm=bytes(1_500_000))),
     )
     end = ("l1", session_pb2.LaneEnded(status=0))
-    items: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]] = [
+    pairs: list[tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded]] = [
         *audio[:5],
         big,
         *audio[5:],
         end,
     ]
-    batches = list(lanes._batches(items))
+    batches = list(lanes._batches([(lane, e, e.ByteSize()) for lane, e in pairs]))
     assert all(b.ByteSize() <= lanes.MAX_MESSAGE_BYTES for b in batches if len(b.outputs) > 1)
     assert [len(b.outputs) for b in batches] == [3, 2, 1, 3, 3]  # the big one alone
     got = [(o.lane, o.event.event_id if o.HasField("event") else "ended") for b in batches for o in b.outputs]
     assert got == [
-        (lane, e.event_id if isinstance(e, session_pb2.ServerEvent) else "ended") for lane, e in items
+        (lane, e.event_id if isinstance(e, session_pb2.ServerEvent) else "ended") for lane, e in pairs
     ]
 
 

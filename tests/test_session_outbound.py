@@ -189,13 +189,14 @@ async def test_take_tells_its_listener_and_keeps_get_s_rules() -> None:
     out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
     assert len(told) == 3
     events, ends = out.take(att, 2)
-    assert [_kind(e) for e in events] == ["audio_delta", "audio_delta"] and not ends
+    assert [_kind(e) for e, _ in events] == ["audio_delta", "audio_delta"] and not ends
+    assert [size for _, size in events] == [e.ByteSize() for e, _ in events]  # as queued: not sized again
     out.wrote(att)
     out.put(_audio(1), epoch=1)
     epoch = 2  # left without a purge: the exit check drops it
     out.close()
     events, ends = out.take(att, 10)
-    assert [_kind(e) for e in events] == ["committed"] and ends
+    assert [_kind(e) for e, _ in events] == ["committed"] and ends
     out.detached(att)
     before = len(told)
     out.put_front(session_pb2.ServerEvent(opened=session_pb2.SessionOpened()))
@@ -222,7 +223,7 @@ async def test_a_taking_stream_resumed_elsewhere_waits_for_the_displaced_one_s_w
     out.wrote(taker)
     assert _kind(await asyncio.wait_for(got, 1)) == "audio_cancelled"
     events, ends = out.take(taker, 10)
-    assert [_kind(e) for e in events] == ["closed"] and ends  # its farewell, then it ends
+    assert [_kind(e) for e, _ in events] == ["closed"] and ends  # its farewell, then it ends
     out.detached(taker)
 
     # And back: the get stream is writing what it took when a taking stream resumes.
@@ -237,7 +238,7 @@ async def test_a_taking_stream_resumed_elsewhere_waits_for_the_displaced_one_s_w
     assert _kind(await out.get(getter)) == "closed"  # it asks again: its write is done
     assert told, "the taking stream was not told that it may go"
     events, _ = out.take(taker2, 10)
-    assert [_kind(e) for e in events] == ["committed"]
+    assert [_kind(e) for e, _ in events] == ["committed"]
 
 
 async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_for_a_taking_stream(
@@ -253,4 +254,4 @@ async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_for_a_taking_strea
     await asyncio.wait_for(ready.wait(), 1)  # told once the stuck stream is cut off
     assert cut == [1]
     events, _ = out.take(new, 10)
-    assert [_kind(e) for e in events] == ["committed"]
+    assert [_kind(e) for e, _ in events] == ["committed"]
