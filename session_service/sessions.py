@@ -234,17 +234,20 @@ class SessionManager:
         link = runner.link
         if link is not None and link.worker_id:
             return link.worker_id
+        held = self._token_claims(runner.session_id, runner.resume_token, self._max_age_s, self._wall_clock())
+        return held.worker_id if held is not None else ""
+
+    def _token_claims(self, session_id: str, token: str, max_age_s: float, now: float) -> ResumeClaims | None:
+        """What ``token`` says, if it is valid for ``session_id`` and at most ``max_age_s`` old
+        (None if not). A token this replica issued (``_current_token``) is not opened again: what
+        it says is remembered (a session's token changes at every response)."""
+        issued = self._issued.get(session_id)
+        if issued is not None and issued[0] == token:
+            return issued[1] if now - issued[1].issued_at <= max_age_s else None
         try:
-            held = decode(
-                self._keys,
-                runner.resume_token,
-                session_id=runner.session_id,
-                max_age_s=self._max_age_s,
-                now=self._wall_clock(),
-            )
+            return decode(self._keys, token, session_id=session_id, max_age_s=max_age_s, now=now)
         except InvalidResumeTokenError:
-            return ""
-        return held.worker_id
+            return None
 
     def _naming_worker(self, claims: ResumeClaims, token: str, link: WorkerHandle) -> str:
         """``token``, or a new one if it does not say ``claims`` on the worker the session was
@@ -259,21 +262,8 @@ class SessionManager:
 
     def _current_token(self, claims: ResumeClaims, token: str) -> str:
         """``token`` if it still says what ``claims`` say and is less than half its life old;
-        otherwise a new one (raises ``ResumeTokenTooLargeError``). What a token this replica
-        issued says is remembered (a session's token changes at every response: opening it
-        again each time would be most of the cost)."""
-        now = self._wall_clock()
-        issued = self._issued.get(claims.session_id)
-        held: ResumeClaims | None
-        if issued is not None and issued[0] == token:
-            held = issued[1] if now - issued[1].issued_at <= self._max_age_s / 2 else None
-        else:
-            try:
-                held = decode(
-                    self._keys, token, session_id=claims.session_id, max_age_s=self._max_age_s / 2, now=now
-                )
-            except InvalidResumeTokenError:
-                held = None
+        otherwise a new one (raises ``ResumeTokenTooLargeError``)."""
+        held = self._token_claims(claims.session_id, token, self._max_age_s / 2, self._wall_clock())
         if held is not None and held.same_state(claims):
             return token
         token = issue(self._keys, claims)
