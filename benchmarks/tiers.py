@@ -121,11 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             r, batches = _window(st, spec)
             # The same load from clients that take an input_ack event per append: what reading
             # acks on the output saves (same processes, a window of its own).
-            other = None
+            compared = None
             if args.compare and not args.separate_acks:
-                assert st.session is not None
-                pids = {"session": st.session.pid, "worker": st.worker_children[0].pid}
-                other = run_load(st.target, dataclasses.replace(spec, separate_acks=True), pids)
+                acks_spec = dataclasses.replace(spec, separate_acks=True)
+                compared = _row("separate-acks", *_window(st, acks_spec), acks_spec)
             # The same load from clients that hold their sessions as lanes of one stream each.
             lanes = None
             if args.compare_lanes and not args.lanes:
@@ -149,20 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         frames = sum(s["acked"] for s in m["per_session"]) * args.append_ms / FRAME_MS
         if frames <= 0:
             raise NoMeasurement("no input frame was acknowledged in the window")
-        compared = None
-        if other is not None:
-            o_frames = sum(s["acked"] for s in other.merged["per_session"]) * args.append_ms / FRAME_MS
-            if o_frames <= 0:
-                raise NoMeasurement("no input frame was acknowledged in the separate-acks window")
-            compared = {
-                "cpu_us_per_frame": _per_frame(other.cpu_s, o_frames),
-                "frames": o_frames,
-                "held_real_time": not judge(other.merged, _criteria(other.spec), turns=False),
-                "why": judge(other.merged, _criteria(other.spec), turns=False),
-            }
         if m["reply_frames"] <= 0:
             raise NoMeasurement("no reply frame came back in the window")
-        mean_batch, c1, c0 = _mean_batch(batches)
+        mean_batch, steps = _mean_batch(batches)
         us = _per_frame(r.cpu_s, frames)
         detail = per_frame_detail(r.cpu_detail, frames)
         row = step_row(r, why)
@@ -189,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "window_s": m["window_s"],
         "frames": frames,
         "reply_per_input": m["reply_frames"] / frames,
-        "steps_in_window": c1 - c0,
+        "steps_in_window": steps,
         "mean_batch": mean_batch,
         "cpu_us_per_frame": us,
         "cpu_detail_per_frame": detail,
@@ -211,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  {frames:,.0f} session-frames in {m['window_s']:g} s ({frames / m['window_s']:,.0f}/s), "
         f"{result['reply_per_input']:.2f} reply frames per input frame, mean batch {mean_batch:.1f} "
-        f"({c1 - c0:,.0f} steps)"
+        f"({steps:,.0f} steps)"
     )
     print(
         f"  CPU µs per session-frame: session service {fmt(us['session'], '.0f')}, worker "
@@ -321,14 +309,14 @@ def _per_frame(cpu_s: dict[str, float | None], frames: float) -> dict[str, float
     }
 
 
-def _mean_batch(batches: dict[str, tuple[float, float]]) -> tuple[float, float, float]:
-    """The mean batch over the window, and the step counts at its end and start."""
+def _mean_batch(batches: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """The mean batch over the window, and the steps in it."""
     if "b" not in batches:
         raise NoMeasurement("the worker's batch-size histogram could not be read at the window's end")
     (s0, c0), (s1, c1) = batches["a"], batches["b"]
     if c1 <= c0:
         raise NoMeasurement("the worker made no step in the window")
-    return (s1 - s0) / (c1 - c0), c1, c0
+    return (s1 - s0) / (c1 - c0), c1 - c0
 
 
 def _row(name: str, r: LoadResult, batches: dict[str, tuple[float, float]], spec: LoadSpec) -> dict[str, Any]:
