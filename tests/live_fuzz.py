@@ -228,12 +228,17 @@ class Fuzz:
                 )
             return ""
         err = from_rpc_error(exc)
-        self.seen[f"{where} {code.name}/{err.code}"] += 1
-        if code in BAD_STATUSES:
-            self.problem(f"{where}: the call ended with {code.name}: {exc.details()!r}")
-        elif err.code not in KNOWN_CODES:
-            self.problem(f"{where}: the call ended with {code.name} and unknown code {err.code!r}")
+        self.note_end(where, "the call", code, err.code, exc.details() or "")
         return err.code
+
+    def note_end(self, where: str, what: str, status: grpc.StatusCode, code: str, message: str) -> None:
+        """Record how ``what`` (a call, a lane) ended with a duplex ``code``: a status that is a
+        bug, or a code not in the contract, is a problem."""
+        self.seen[f"{where} {status.name}/{code}"] += 1
+        if status in BAD_STATUSES:
+            self.problem(f"{where}: {what} ended with {status.name}: {message!r}")
+        elif status != grpc.StatusCode.OK and code not in KNOWN_CODES:
+            self.problem(f"{where}: {what} ended with {status.name} and unknown code {code!r}")
 
     def note_events(self, where: str, events: list[session_pb2.ServerEvent]) -> None:
         for e in events:
@@ -431,11 +436,8 @@ class Fuzz:
         for evs in events.values():
             self.note_events("lanes", evs)
         for lane, end in ended.items():
-            self.seen[f"lanes ended {end.status}/{end.code}"] += 1
-            if end.status in (s.value[0] for s in BAD_STATUSES) or (
-                end.status and end.code not in KNOWN_CODES
-            ):
-                self.problem(f"lanes: lane {lane!r} ended with {end.status}/{end.code!r}: {end.message!r}")
+            status = next(c for c in grpc.StatusCode if c.value[0] == end.status)
+            self.note_end("lanes", f"lane {lane!r}", status, end.code, end.message)
         for lane, name in bad_lanes.items():
             if any(e.HasField("opened") for e in events.get(lane, [])):
                 self.problem(f"lanes: bad open {name} opened")

@@ -477,6 +477,21 @@ class _Call(Generic[Req]):
         async with asyncio.timeout(within):
             await self._done.wait()
 
+    async def wait_until(self, done: Callable[[], bool], *, within: float = 10.0, what: str = "") -> None:
+        """Until ``done()`` holds, looked at after every message (the call ending first fails)."""
+        async with asyncio.timeout(within):
+            while not done():
+                if self._done.is_set():
+                    raise AssertionError(
+                        f"stream ended ({self.status}, {self.error}) before {what or done}{self._recent()}"
+                    )
+                self._changed.clear()
+                await self._changed.wait()
+
+    def _recent(self) -> str:
+        """The last messages kept, for a failure's message."""
+        return ""
+
 
 class Conversation(_Call[session_pb2.ClientEvent]):
     """One Converse stream: send events, await the ones you expect, keep them all."""
@@ -518,20 +533,21 @@ class Conversation(_Call[session_pb2.ClientEvent]):
         self, pred: Callable[[session_pb2.ServerEvent], bool], *, within: float = 10.0, start: int = 0
     ) -> session_pb2.ServerEvent:
         """The first event from index ``start`` matching ``pred``."""
-        async with asyncio.timeout(within):
-            i = start
-            while True:
-                while i < len(self.events):
-                    if pred(self.events[i]):
-                        return self.events[i]
-                    i += 1
-                if self._done.is_set():
-                    tail = [str(e).replace("\n", " ")[:120] for e in self.events[-4:]]
-                    raise AssertionError(
-                        f"stream ended ({self.status}, {self.error}) without the event: {tail}"
-                    )
-                self._changed.clear()
-                await self._changed.wait()
+        i = start
+
+        def found() -> bool:
+            nonlocal i
+            while i < len(self.events):
+                if pred(self.events[i]):
+                    return True
+                i += 1
+            return False
+
+        await self.wait_until(found, within=within, what="the event")
+        return self.events[i]
+
+    def _recent(self) -> str:
+        return f": {[str(e).replace(chr(10), ' ')[:120] for e in self.events[-4:]]}"
 
     async def wait_kind(self, kind: str, *, within: float = 10.0, start: int = 0) -> session_pb2.ServerEvent:
         return await self.wait_for(lambda e: e.WhichOneof("event") == kind, within=within, start=start)
@@ -586,14 +602,6 @@ class LaneCall(_Call[session_pb2.ClientBatch]):
 
     def of(self, lane: str, kind: str) -> list[session_pb2.ServerEvent]:
         return [e for e in self.events.get(lane, []) if e.WhichOneof("event") == kind]
-
-    async def wait_until(self, done: Callable[[], bool], *, within: float = 10.0, what: str = "") -> None:
-        async with asyncio.timeout(within):
-            while not done():
-                if self._done.is_set():
-                    raise AssertionError(f"stream ended ({self.status}, {self.error}) before {what or done}")
-                self._changed.clear()
-                await self._changed.wait()
 
     async def wait_kind(
         self, lane: str, kind: str, *, within: float = 10.0, count: int = 1
