@@ -53,10 +53,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +174,18 @@ class SessionLoad:
     """Its lane on the generator's one ConverseMany stream (``--lanes``)."""
 
 
+def _event_in(events: list[session_pb2.ClientEvent]) -> session_pb2.ClientEvent:
+    """A new event, appended to ``events`` (a session's own stream writes them one by one)."""
+    ev = session_pb2.ClientEvent()
+    events.append(ev)
+    return ev
+
+
+def _lane_event(batch: session_pb2.ClientBatch, lane: str) -> session_pb2.ClientEvent:
+    """A new event of ``lane``, made inside ``batch``."""
+    return batch.events.add(lane=lane).event
+
+
 class Generator:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -264,10 +278,13 @@ class Generator:
 
     # ---- streaming -------------------------------------------------------------------------
 
-    def _tick(self, s: SessionLoad, w: Window, due: float, now: float) -> list[session_pb2.ClientEvent]:
-        """The events session ``s`` writes at its append due at ``due`` (written at ``now``): the
-        append, and in duplex mode a commit every cycle and a response as soon as none is
-        active; the append's send time and lateness are noted."""
+    def _tick(
+        self, s: SessionLoad, w: Window, due: float, now: float, new: Callable[[], session_pb2.ClientEvent]
+    ) -> None:
+        """The events session ``s`` writes at its append due at ``due`` (written at ``now``), each
+        made by ``new`` and filled in place (on lanes, inside the message: no copy of the audio):
+        the append, and in duplex mode a commit every cycle and a response as soon as none is
+        active. The append's send time and lateness are noted."""
         if w.a <= due < w.b:
             s.late_ms.append(1000.0 * (now - due))
             s.sent_in_window += 1
@@ -277,23 +294,20 @@ class Generator:
             s.sent[seq] = due if s.lane else now
         ab = self.append_bytes
         off = s.tape_offset
-        events = [
-            session_pb2.ClientEvent(
-                append=session_pb2.InputAudioAppend(seq=seq, pcm=self.tape[off : off + ab])
-            )
-        ]
+        append = new().append
+        append.seq = seq
+        append.pcm = self.tape[off : off + ab]
         s.tape_offset = off + ab if off + ab < len(self.tape) else 0
         if self.args.mode == "duplex":
             s.since_commit_bytes += ab
             if s.since_commit_bytes >= self.frames_per_cycle * FRAME_SAMPLES * SAMPLE_BYTES:
                 s.since_commit_bytes = 0
-                events.append(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
+                new().commit.SetInParent()
                 s.want_response = True
             if s.want_response and s.idle.is_set():
                 s.want_response = False
                 s.idle.clear()
-                events.append(session_pb2.ClientEvent(response_create=session_pb2.ResponseCreate()))
-        return events
+                new().response_create.SetInParent()
 
     def _appends(self, w: Window) -> int:
         return int((w.end - w.start) / self.append_s) + 2
@@ -308,7 +322,9 @@ class Generator:
             delay = due - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            for ev in self._tick(s, w, due, clock()):
+            events: list[session_pb2.ClientEvent] = []
+            self._tick(s, w, due, clock(), functools.partial(_event_in, events))
+            for ev in events:
                 await write(ev)
             due += self.append_s
 
@@ -332,8 +348,7 @@ class Generator:
             for s in self.sessions:
                 d = due[s.lane]
                 while d <= now and d < w.end and s.last_seq < n:
-                    for ev in self._tick(s, w, d, now):
-                        batch.events.add(lane=s.lane, event=ev)
+                    self._tick(s, w, d, now, functools.partial(_lane_event, batch, s.lane))
                     d += self.append_s
                 due[s.lane] = d
             if batch.events:
