@@ -47,7 +47,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Self, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Protocol, Self, TypeAlias
 
 import grpc
 import numpy as np
@@ -77,6 +77,28 @@ ClientEvent = session_pb2.ClientEvent
 
 #: One ``Converse`` call on an aio channel: client events in, server events out.
 ConverseCall: TypeAlias = grpc.aio.StreamStreamCall[ClientEvent, ServerEvent]
+
+
+class EventCall(Protocol):
+    """What a ``Session`` needs of its call: a ``Converse`` call (``ConverseCall``), or one lane
+    of a ``ConverseMany`` stream (``duplex.client_lanes``)."""
+
+    async def read(self) -> object:
+        """The next ``ServerEvent``, or ``grpc.aio.EOF`` once the call ended."""
+        ...
+
+    async def write(self, request: ClientEvent) -> None: ...
+
+    async def done_writing(self) -> None: ...
+
+    def cancel(self) -> bool: ...
+
+    async def code(self) -> grpc.StatusCode: ...
+
+    async def details(self) -> str: ...
+
+    async def trailing_metadata(self) -> Any: ...
+
 
 #: Client-side error codes (the server's codes are ``duplex.errors.ErrorCode``).
 CONNECT_FAILED: Final = "connect_failed"
@@ -301,13 +323,39 @@ class DuplexClient:
         auto_resume: bool = True,
         timeout_s: float = 15.0,
     ) -> Session:
-        """Open a new session and wait for ``opened``.
+        """Open a new session and wait for ``opened`` (the settings: see ``open_event``).
 
-        ``model`` is the plugin id the caller expects ("" = whatever the service runs);
-        ``extra_body`` holds model options (parrot: ``silence_ms``, ``pitch_semitones``...).
         Raises the typed ``DuplexError`` the server ended the call with (bad open:
         ``BadRequestError``, no capacity: ``CapacityError``...) or ``ConnectError``.
         """
+        first = self.open_event(
+            model=model,
+            input_format=input_format,
+            output_format=output_format,
+            turn_detection=turn_detection,
+            instructions=instructions,
+            modalities=modalities,
+            idle_timeout_s=idle_timeout_s,
+            extra_body=extra_body,
+        )
+        call, opened = await self._start(first, timeout_s)
+        return Session(self, call, opened, raise_on_error=raise_on_error, auto_resume=auto_resume)
+
+    def open_event(
+        self,
+        *,
+        model: str = "",
+        input_format: PcmFormat = PCM16K_MONO,
+        output_format: PcmFormat | None = None,
+        turn_detection: session_pb2.TurnDetection | None = None,
+        instructions: str = "",
+        modalities: Iterable[str] = (),
+        idle_timeout_s: int = 0,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> session_pb2.ClientEvent:
+        """The ``open`` event of a new session. ``model`` is the plugin id the caller expects
+        ("" = whatever the service runs); ``extra_body`` holds model options (parrot:
+        ``silence_ms``, ``pitch_semitones``...)."""
         config = session_pb2.SessionConfig(
             input_format=input_format.to_proto(),
             instructions=instructions,
@@ -321,9 +369,16 @@ class DuplexClient:
         body = to_struct(extra_body)
         # This client reads acks carried on other events: a message per frame fewer.
         open_msg = session_pb2.SessionOpen(model=model, config=config, extra_body=body, acks_on_output=True)
-        first = session_pb2.ClientEvent(event_id=self.next_event_id(), open=open_msg)
-        call, opened = await self._start(first, timeout_s)
-        return Session(self, call, opened, raise_on_error=raise_on_error, auto_resume=auto_resume)
+        return session_pb2.ClientEvent(event_id=self.next_event_id(), open=open_msg)
+
+    def resume_event(self, session_id: str, token: str, last_event_id: str = "") -> session_pb2.ClientEvent:
+        """The ``resume`` event of a session (``last_event_id``: the last event received)."""
+        return session_pb2.ClientEvent(
+            event_id=self.next_event_id(),
+            resume=session_pb2.SessionResume(
+                session_id=session_id, resume_token=token, last_event_id=last_event_id, acks_on_output=True
+            ),
+        )
 
     async def resume(
         self,
@@ -335,20 +390,22 @@ class DuplexClient:
         timeout_s: float = 15.0,
     ) -> Session:
         """Re-attach to an existing session (after a dropped stream) with its resume token."""
-        first = session_pb2.ClientEvent(
-            event_id=self.next_event_id(),
-            resume=session_pb2.SessionResume(session_id=session_id, resume_token=token, acks_on_output=True),
-        )
-        call, opened = await self._start(first, timeout_s)
+        call, opened = await self._start(self.resume_event(session_id, token), timeout_s)
         return Session(self, call, opened, raise_on_error=raise_on_error, auto_resume=auto_resume)
 
     async def _start(
-        self, first: session_pb2.ClientEvent, timeout_s: float, connect_timeout_s: float | None = None
-    ) -> tuple[ConverseCall, session_pb2.ServerEvent]:
-        """Start a Converse call with ``first`` (open or resume) and read its ``opened``."""
+        self,
+        first: session_pb2.ClientEvent,
+        timeout_s: float,
+        connect_timeout_s: float | None = None,
+        call: EventCall | None = None,
+    ) -> tuple[EventCall, session_pb2.ServerEvent]:
+        """Start a Converse call (or use ``call``, a lane) with ``first`` (open or resume) and
+        read its ``opened``."""
         stub = self._ensure_channel()
         await self.connect(min(timeout_s, connect_timeout_s or self.connect_timeout_s))
-        call = stub.Converse(metadata=self.metadata())
+        if call is None:
+            call = stub.Converse(metadata=self.metadata())
         try:
             async with asyncio.timeout(timeout_s):
                 await call.write(first)
@@ -373,7 +430,7 @@ class DuplexClient:
         return call, ev
 
 
-async def _read_event(call: ConverseCall) -> session_pb2.ServerEvent | None:
+async def _read_event(call: EventCall) -> session_pb2.ServerEvent | None:
     """The call's next server event, or None once the server has ended the stream."""
     ev = await call.read()
     if ev is grpc.aio.EOF:
@@ -384,7 +441,7 @@ async def _read_event(call: ConverseCall) -> session_pb2.ServerEvent | None:
     return ev
 
 
-async def _call_failure(call: grpc.aio.Call) -> DuplexError:
+async def _call_failure(call: EventCall) -> DuplexError:
     """The typed error for a call that has ended (with or without an error status)."""
     code = await call.code()
     if code == grpc.StatusCode.OK:
@@ -409,7 +466,7 @@ class Session:
     def __init__(
         self,
         client: DuplexClient,
-        call: ConverseCall,
+        call: EventCall,
         opened: session_pb2.ServerEvent,
         *,
         raise_on_error: bool = False,
@@ -573,15 +630,7 @@ class Session:
         delay = 0.2
         last: DuplexError | None = None
         for attempt in range(self.resume_attempts):
-            first = session_pb2.ClientEvent(
-                event_id=self._client.next_event_id(),
-                resume=session_pb2.SessionResume(
-                    session_id=self.session_id,
-                    resume_token=self.resume_token,
-                    last_event_id=self.last_event_id,
-                    acks_on_output=True,
-                ),
-            )
+            first = self._client.resume_event(self.session_id, self.resume_token, self.last_event_id)
             try:
                 call, opened = await self._client._start(first, timeout_s=10.0, connect_timeout_s=2.0)
             except (UnavailableError, ConnectError) as exc:
@@ -876,6 +925,7 @@ __all__ = [
     "ConverseCall",
     "DuplexClient",
     "DuplexClientError",
+    "EventCall",
     "ProtocolError",
     "SeqCounter",
     "ServerErrorEvent",

@@ -266,8 +266,15 @@ def from_rpc_error(exc: grpc.RpcError) -> DuplexError:
                 detail.Unpack(info)
                 code = info.reason or code
                 retryable = info.metadata.get("retryable") == "true"
+    return error_for(status_code, code, message, retryable)
+
+
+def error_for(
+    status_code: grpc.StatusCode, code: str, message: str, retryable: bool | None = None
+) -> DuplexError:
+    """The typed error of a gRPC status with a stable ``code`` ("" = the status's default)."""
     cls = _STATUS_TO_ERROR.get(status_code, DuplexError)
-    err = cls(code, message, retryable=retryable)
+    err = cls(code or _default_code(status_code), message, retryable=retryable)
     err.status = status_code
     return err
 
@@ -322,6 +329,7 @@ __all__ = [
     "abort",
     "bound_message",
     "echo",
+    "error_for",
     "from_rpc_error",
     "to_rpc_status",
 ]
