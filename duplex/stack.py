@@ -75,6 +75,8 @@ class Child:
     proc: subprocess.Popen[str]
     grpc: str = ""
     metrics: str = ""
+    event_loop: str = ""
+    """The event loop it announced it runs on (``uvloop`` or ``asyncio``)."""
 
     @property
     def pid(self) -> int:
@@ -85,7 +87,13 @@ class Child:
         return f"http://{self.metrics}/metrics" if self.metrics else ""
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "pid": self.pid, "grpc": self.grpc, "metrics": self.metrics_url}
+        return {
+            "name": self.name,
+            "pid": self.pid,
+            "grpc": self.grpc,
+            "metrics": self.metrics_url,
+            "event_loop": self.event_loop,
+        }
 
 
 @dataclass
@@ -164,6 +172,7 @@ class LocalStack:
                     continue
                 if isinstance(msg, dict) and msg.get("event") == "listening":
                     child.grpc, child.metrics = str(msg["grpc"]), str(msg.get("metrics", ""))
+                    child.event_loop = str(msg.get("event_loop", ""))
                     del waiting[stream]
                     _drain(stream)
             for child in waiting.values():

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from duplex.errors import BadRequestError, DuplexError, ErrorCode
-from duplex.serving import split_host_port
+from duplex.serving import EVENT_LOOPS, event_loop_name, split_host_port
 from duplex.tls import ClientTLS, ServerTLS
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.discovery import (
@@ -133,6 +133,12 @@ def _parser() -> argparse.ArgumentParser:
         default=ServiceConfig(plugin="", workers=()).worker_write_coalesce_ms,
         help="wait up to this long for more submissions to share a command to a worker (0 = none)",
     )
+    p.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default=ServiceConfig(plugin="", workers=()).event_loop,
+        help="the asyncio event loop (auto: uvloop where installed)",
+    )
     trust = p.add_argument_group(
         "TLS and authentication",
         "Without --auth-tokens, --auth-jwks or --tls-client-ca the API is unauthenticated and "
@@ -228,6 +234,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         raise SystemExit(f"duplex session: {exc}") from exc
     try:
         split_host_port(args.listen)
+        event_loop_name(args.event_loop)
     except ValueError as exc:
         raise SystemExit(f"duplex session: {exc}") from exc
     if args.resume_max_age_s <= 0:
@@ -275,6 +282,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         drain_grace_s=args.drain_grace_s,
         worker_stall_timeout_s=args.worker_stall_timeout_s,
         worker_write_coalesce_ms=args.worker_write_coalesce_ms,
+        event_loop=args.event_loop,
         tls=tls,
         auth_tokens=args.auth_tokens,
         auth_jwks=args.auth_jwks,

@@ -127,6 +127,11 @@ class ServiceConfig:
     message and are stepped in one batch. Every message costs a syscall and a wake-up on both
     ends, so this trades up to this much hop latency for CPU on both tiers (``make bench``
     measures both). 0 writes at once."""
+    event_loop: str = "auto"
+    """The asyncio event loop the service runs on (``duplex.serving.EVENT_LOOPS``): ``uvloop``,
+    ``asyncio`` (the standard library's), or ``auto``: uvloop where it is installed. Each
+    session-frame wakes several tasks and futures, and gRPC hands every completed read and write
+    to the loop: uvloop does each for less CPU (``make bench``'s tiers section measures it)."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     """Per-session limits."""
     tls: ServerTLS | None = None

@@ -23,6 +23,8 @@ from duplex.serving import (
     MetricsServer,
     add_reflection,
     bind,
+    run_service,
+    running_loop_name,
     serve_metrics,
     server_options,
     split_host_port,
@@ -240,6 +242,7 @@ async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
         "event": "listening",
         "grpc": server.address,
         "metrics": f"{_announce_host(cfg.metrics_host)}:{metrics_port}",
+        "event_loop": running_loop_name(),
     }
     if server.health_port:
         announce["health"] = f"{_announce_host(split_host_port(cfg.health_listen)[0])}:{server.health_port}"
@@ -257,4 +260,4 @@ def run(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return asyncio.run(serve(cfg, plugin))
+    return run_service(serve(cfg, plugin), cfg.event_loop)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from duplex.errors import DuplexError
-from duplex.serving import split_host_port
+from duplex.serving import EVENT_LOOPS, event_loop_name, run_service, running_loop_name, split_host_port
 from duplex.tls import ServerTLS
 from worker_service.config import (
     DEFAULT_ATTACH_LEASE_S,
@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default=WorkerConfig().event_loop,
+        help="the asyncio event loop (auto: uvloop where installed)",
+    )
     trust = p.add_argument_group(
         "trust",
         "mutual TLS: callers (session replicas) present a certificate of the client CA, and the "
@@ -156,6 +162,7 @@ def _identities(value: str | None) -> frozenset[str] | None:
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     split_host_port(args.listen)  # validates HOST:PORT
+    event_loop_name(args.event_loop)  # uvloop asked for where it is not installed
     if args.model == "parrot":
         keys = {
             "silence_ms": args.silence_ms,
@@ -197,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         takeover_identities=_identities(args.takeover_identities),
         tombstone_ttl_s=args.tombstone_ttl_s,
         max_closed_sessions=args.max_closed_sessions,
+        event_loop=args.event_loop,
     )
     # Without --worker-id the config's own default (a fresh random id) stands.
     return dataclasses.replace(config, worker_id=args.worker_id) if args.worker_id else config
@@ -210,7 +218,12 @@ async def serve(config: WorkerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     metrics = f"{config.metrics_host}:{server.metrics.port}" if server.metrics else ""
-    announce = {"event": "listening", "grpc": server.address, "metrics": metrics}
+    announce = {
+        "event": "listening",
+        "grpc": server.address,
+        "metrics": metrics,
+        "event_loop": running_loop_name(),
+    }
     if server.health_port:
         announce["health"] = f"{split_host_port(config.health_listen)[0]}:{server.health_port}"
     print(json.dumps(announce), flush=True)
@@ -239,7 +252,7 @@ def main(argv: list[str]) -> int:
     )
     try:
         config = config_from_args(args)
-        return asyncio.run(serve(config))
+        return run_service(serve(config), config.event_loop)
     except (DuplexError, ValueError) as exc:
         print(f"duplex worker: {exc}", file=sys.stderr)
         return 2

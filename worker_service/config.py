@@ -96,6 +96,9 @@ class WorkerConfig:
     the lifetime of a resume token."""
     max_closed_sessions: int = DEFAULT_MAX_CLOSED_SESSIONS
     """Most closed-session tombstones kept; beyond it the oldest is forgotten early."""
+    event_loop: str = "auto"
+    """The asyncio event loop the service runs on (``duplex.serving.EVENT_LOOPS``): ``uvloop``,
+    ``asyncio`` (the standard library's), or ``auto``: uvloop where it is installed."""
 
     @property
     def mutual_tls(self) -> bool:
