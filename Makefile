@@ -47,7 +47,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy duplex session_service worker_service
 
-# The benchmark suite (6-7 minutes on a 2-core machine): writes BENCHMARKS.md, benchmarks/latest.json
+# The benchmark suite (8-9 minutes on a 2-core machine): writes BENCHMARKS.md, benchmarks/latest.json
 # and benchmarks/plots/ (see BENCHMARKS.md; compared with benchmarks/baseline.json). DEVICE=cuda runs
 # the worker and the models on a GPU and records under benchmarks/gpu/ (benchmarks/gpu.sh does that
 # on a GPU machine). TORCH_THREADS: intra-op threads of every model and worker.

@@ -71,6 +71,21 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
         None,
         -1,
     ),
+    (
+        "session_over_baseline_now",
+        "session service CPU per session-frame over the baseline commit's, both measured now, "
+        "one stream per session",
+        "x",
+        0.5,
+        -1,
+    ),
+    (
+        "lanes_over_baseline_now",
+        "the same, sessions as lanes of one ConverseMany stream",
+        "x",
+        0.5,
+        -1,
+    ),
     ("model_cpu_us_per_frame", "model alone CPU per frame, same batch", "µs", None, -1),
     (
         "model_reply_us_per_frame",
@@ -99,7 +114,15 @@ BASELINE_OF = {
 
 def load_sections(results: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in ("model_steps", "grpc_hop", "hop_latency", "e2e_bench", "tiers", "capacity"):
+    for name in (
+        "model_steps",
+        "grpc_hop",
+        "hop_latency",
+        "e2e_bench",
+        "tiers",
+        "against_baseline",
+        "capacity",
+    ):
         path = results / f"{name}.json"
         if path.exists():
             out[name] = json.loads(path.read_text())
@@ -157,6 +180,8 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
         "session_kernel_us_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "kernel_us"),
         "session_switches_per_frame": _get(tiers, "cpu_detail_per_frame", "session", "switches"),
         "grpc_echo_us_per_pair": _get(tiers, "grpc_echo", "cpu_us_per_pair"),
+        "session_over_baseline_now": _get(sections, "against_baseline", "streams_over_base"),
+        "lanes_over_baseline_now": _get(sections, "against_baseline", "lanes_over_base"),
     }
     e = h["grpc_echo_us_per_pair"]
     s_ = h["session_cpu_us_per_frame"]
@@ -350,6 +375,7 @@ def markdown(
 
     _capacity_md(add, sec.get("capacity"), plots)
     _tiers_md(add, sec.get("tiers"), plots, baseline)
+    _against_md(add, sec.get("against_baseline"))
     _hop_md(add, sec.get("hop_latency"), sec.get("grpc_hop"), plots)
     _e2e_md(add, sec.get("e2e_bench"), plots)
     _model_md(add, sec.get("model_steps"), plots)
@@ -605,6 +631,60 @@ def _tiers_md(
         add("")
     if "tiers" in plots:
         add(f"![tiers]({plots['tiers']})\n")
+
+
+def _against_md(add: Any, a: dict[str, Any] | None) -> None:
+    add("## The session tier against the baseline's code, measured now\n")
+    if not a:
+        add("Not measured.\n")
+        return
+    add(
+        f"The baseline's own code (commit `{a['base_commit'][:12]}`, checked out with `git archive`) and "
+        "this tree's, measured in turn on this machine minutes apart, the order alternating from one "
+        "round to the next: the baseline's `benchmarks.tiers` (its session service, its load generator, "
+        "one `Converse` stream per session), then this tree's on the same load with one stream per "
+        f"session and with the sessions as lanes of one `ConverseMany` stream ({a['sessions']} parrot "
+        f"sessions, {a['window_s']:g} s windows). A run on another day is no measure of half: this "
+        "machine's speed moves more than that between hours. Each round's ratio compares "
+        "figures taken minutes apart; the figure is their median"
+        + ("." if a.get("held_real_time") else "; some window did **not** hold real time.")
+        + "\n"
+    )
+    rows = [
+        [
+            str(i + 1),
+            "baseline" if r["base_first"] else "this tree",
+            f(r["base"]["session_us"], ".0f"),
+            f(r["streams"]["session_us"], ".0f"),
+            f(r["lanes"]["session_us"], ".0f"),
+            f(r.get("streams_over_base"), ".2f") + "x",
+            f(r.get("lanes_over_base"), ".2f") + "x",
+        ]
+        for i, r in enumerate(a.get("rounds", []))
+    ]
+    rows.append(
+        [
+            "median",
+            "",
+            "",
+            "",
+            "",
+            f(a.get("streams_over_base"), ".2f") + "x",
+            f(a.get("lanes_over_base"), ".2f") + "x",
+        ]
+    )
+    header = [
+        "round",
+        "first",
+        "baseline µs",
+        "this tree, one stream per session, µs",
+        "this tree, lanes, µs",
+        "streams over baseline",
+        "lanes over baseline",
+    ]
+    add("Session service CPU per session-frame:\n")
+    add(_table(header, rows))
+    add(f"\nTarget: at most {f(a.get('target'), '.1f')}x the baseline's.\n")
 
 
 def _compared_rows(t: dict[str, Any], other: dict[str, Any], *, generator: bool = False) -> list[list[str]]:

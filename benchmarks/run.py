@@ -11,7 +11,9 @@ the next), printed as they finish, each writing its figures as JSON under ``--ou
 5. ``tiers``: CPU per session-frame of the session service and the worker under a fixed load,
    beside the model's own; the same load against a worker with ``--step-interval-ms 8``, and from
    clients holding their sessions as lanes of one ``ConverseMany`` stream;
-6. ``capacity``: the most real-time parrot conversations one session service and one worker hold
+6. ``against_baseline``: the session tier against the baseline's own code (the commit
+   ``baseline.json`` was recorded at), both measured now on this machine, in turn;
+7. ``capacity``: the most real-time parrot conversations one session service and one worker hold
    (20 and 40 ms appends), the same against ``--max-batch 1`` (batching gain), and a profile of
    the session service at capacity.
 
@@ -19,7 +21,7 @@ Then ``benchmarks.report`` writes ``BENCHMARKS.md``, ``benchmarks/latest.json`` 
 (for ``--device cuda``: under ``benchmarks/gpu/``), comparing with the committed baseline.
 
 A section that stalls, fails or measures nothing makes the run exit non-zero, with the reason;
-its figures are then missing from the report, never zeros. About 7-8 minutes on a 2-core machine.
+its figures are then missing from the report, never zeros. About 8-9 minutes on a 2-core machine.
 ``--quick`` is a short smoke run for developing the harness (its figures are not a record).
 """
 
@@ -84,6 +86,12 @@ def sections(
             ),
             ("tiers", "CPU per frame per tier", [*dev, "--sessions", "16", "--seconds", "3"], 120),
             (
+                "against_baseline",
+                "against the baseline's commit",
+                [*dev, "--sessions", "16", "--rounds", "1", "--seconds", "3"],
+                240,
+            ),
+            (
                 "capacity",
                 "capacity",
                 [
@@ -127,6 +135,12 @@ def sections(
             "CPU per session-frame per tier",
             [*dev, "--sessions", "32", "--compare-step-interval-ms", "8", "--compare-lanes"],
             180,
+        ),
+        (
+            "against_baseline",
+            "the session tier against the baseline's commit, measured in turn",
+            [*dev, "--rounds", "2", "--seconds", "6"],
+            600,
         ),
         ("capacity", "capacity: real-time parrot conversations", [*dev, *cap], 600),
     ]

@@ -99,13 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.seconds:g} s window; CPU from /proc",
         flush=True,
     )
-    spec = LoadSpec(
-        sessions=args.sessions,
+    spec = load_spec(
+        args.sessions,
         append_ms=args.append_ms,
-        mode="duplex",
         warmup_s=args.warmup,
         seconds=args.seconds,
-        tail_s=1.0,
         separate_acks=args.separate_acks,
         lanes=args.lanes,
         flush_ms=args.flush_ms,
@@ -118,18 +116,21 @@ def main(argv: list[str] | None = None) -> int:
             session_args=args.session_args.split(),
             worker_args=args.worker_args.split(),
         ) as st:
-            r, batches = _window(st, spec)
+            r, batches = load_window(st, spec)
             # The same load from clients that take an input_ack event per append: what reading
             # acks on the output saves (same processes, a window of its own).
             compared = None
             if args.compare and not args.separate_acks:
                 acks_spec = dataclasses.replace(spec, separate_acks=True)
-                compared = _row("separate-acks", *_window(st, acks_spec), acks_spec)
+                compared = compared_row("separate-acks", *load_window(st, acks_spec), acks_spec)
             # The same load from clients that hold their sessions as lanes of one stream each.
             lanes = None
             if args.compare_lanes and not args.lanes:
                 lane_spec = dataclasses.replace(spec, lanes=True)
-                lanes = {"flush_ms": args.flush_ms, **_row("lanes", *_window(st, lane_spec), lane_spec)}
+                lanes = {
+                    "flush_ms": args.flush_ms,
+                    **compared_row("lanes", *load_window(st, lane_spec), lane_spec),
+                }
         interval = None
         if args.compare_step_interval_ms > 0:
             # The same load against a worker that steps at most every T ms (a stack of its own).
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 session_args=args.session_args.split(),
                 worker_args=[*args.worker_args.split(), "--step-interval-ms", f"{t:g}"],
             ) as st:
-                ri, bi = _window(st, spec)
-            interval = {"step_interval_ms": t, **_row(f"--step-interval-ms {t:g}", ri, bi, spec)}
+                ri, bi = load_window(st, spec)
+            interval = {"step_interval_ms": t, **compared_row(f"--step-interval-ms {t:g}", ri, bi, spec)}
         m = r.merged
         why = judge(m, _criteria(spec), turns=False)
         frames = sum(s["acked"] for s in m["per_session"]) * args.append_ms / FRAME_MS
@@ -280,7 +281,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _window(st: Any, spec: LoadSpec) -> tuple[LoadResult, dict[str, tuple[float, float]]]:
+def load_spec(
+    sessions: int,
+    *,
+    append_ms: int = 32,
+    warmup_s: float = 3.0,
+    seconds: float = 8.0,
+    separate_acks: bool = False,
+    lanes: bool = False,
+    flush_ms: float = 8.0,
+) -> LoadSpec:
+    """The tiers' load: ``sessions`` parrot sessions in duplex mode at real time (see the module's
+    docstring)."""
+    return LoadSpec(
+        sessions=sessions,
+        append_ms=append_ms,
+        mode="duplex",
+        warmup_s=warmup_s,
+        seconds=seconds,
+        tail_s=1.0,
+        separate_acks=separate_acks,
+        lanes=lanes,
+        flush_ms=flush_ms,
+    )
+
+
+def load_window(st: Any, spec: LoadSpec) -> tuple[LoadResult, dict[str, tuple[float, float]]]:
     """Run ``spec`` against the stack ``st``; also the worker's batch-size histogram (sum,
     count) at the window's start (``a``) and end (``b``)."""
     assert st.session is not None
@@ -319,7 +345,9 @@ def _mean_batch(batches: dict[str, tuple[float, float]]) -> tuple[float, float]:
     return (s1 - s0) / (c1 - c0), c1 - c0
 
 
-def _row(name: str, r: LoadResult, batches: dict[str, tuple[float, float]], spec: LoadSpec) -> dict[str, Any]:
+def compared_row(
+    name: str, r: LoadResult, batches: dict[str, tuple[float, float]], spec: LoadSpec
+) -> dict[str, Any]:
     """A compared window's figures: CPU per session-frame, mean batch, ack p99."""
     frames = sum(s["acked"] for s in r.merged["per_session"]) * spec.append_ms / FRAME_MS
     if frames <= 0:

@@ -407,6 +407,33 @@ def _sections():
                 "why": [],
             },
         },
+        "against_baseline": {
+            "base_commit": "48d51cc881316bace4a10fd3b9b80c44a1464c89",
+            "sessions": 32,
+            "window_s": 6.0,
+            "rounds": [
+                {
+                    "base_first": True,
+                    "base": {"session_us": 600.0, "held_real_time": True},
+                    "streams": {"session_us": 480.0, "held_real_time": True},
+                    "lanes": {"session_us": 270.0, "held_real_time": True},
+                    "streams_over_base": 0.8,
+                    "lanes_over_base": 0.45,
+                },
+                {
+                    "base_first": False,
+                    "base": {"session_us": 650.0, "held_real_time": True},
+                    "streams": {"session_us": 500.0, "held_real_time": True},
+                    "lanes": {"session_us": 300.0, "held_real_time": True},
+                    "streams_over_base": 500.0 / 650.0,
+                    "lanes_over_base": 300.0 / 650.0,
+                },
+            ],
+            "target": 0.5,
+            "streams_over_base": 0.7846,
+            "lanes_over_base": 0.4558,
+            "held_real_time": True,
+        },
         "hop_latency": {
             "rows": [
                 {
@@ -488,6 +515,9 @@ def test_headline_figures_and_targets():
         "hop_p99_ms_64": False,
         "e2e_ratio_parrot_b64": True,
         "e2e_ratio_synthetic_b64": False,
+        # Against the baseline's code measured in the same minutes: the target is half.
+        "session_over_baseline_now": False,
+        "lanes_over_baseline_now": True,
     }
 
 
@@ -503,6 +533,8 @@ def test_a_missing_section_is_none_never_zero():
         "hop_p99_ms_64",
         "e2e_ratio_parrot_b64",
         "e2e_ratio_synthetic_b64",
+        "session_over_baseline_now",
+        "lanes_over_baseline_now",
     ):
         assert key in h and h[key] is None, key
     assert all(t["met"] is None for t in report.targets(h))
@@ -567,6 +599,12 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     assert "| bare gRPC echo, same message rate (per message pair) | 175 |" in md
     assert "| bare gRPC echo (per message pair) | 85 | 90 | 8.0 |" in md
     assert latest["grpc_echo_us_per_pair"] == 175.0 and latest["session_over_grpc_echo"] == pytest.approx(4.0)
+    # Against the baseline's code, measured in turn: every round, its order and ratios, the medians.
+    assert latest["lanes_over_baseline_now"] == 0.4558 and latest["session_over_baseline_now"] == 0.7846
+    assert "commit `48d51cc88131`" in md
+    assert "| 1 | baseline | 600 | 480 | 270 | 0.80x | 0.45x |" in md
+    assert "| 2 | this tree | 650 | 500 | 300 | 0.77x | 0.46x |" in md
+    assert "| median |  |  |  |  | 0.78x | 0.46x |" in md
     for png in ("capacity.png", "tiers.png", "hop.png", "e2e.png", "model_steps.png"):
         path = paths["plots"] / png
         assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 150_000
@@ -605,3 +643,70 @@ def test_a_run_beside_other_work_is_flagged():
     assert report.contended(run_meta) == {"capacity": 1.3}
     md = report.markdown({"run": run_meta, "targets": [], "sections": {}}, None, {}, "")
     assert "busy with other work" in md and "capacity 1.30" in md
+
+
+def test_against_baseline_alternates_and_judges_each_round_by_its_own_baseline():
+    from benchmarks import against_baseline as ab
+
+    assert [ab.base_first(i) for i in range(4)] == [True, False, True, False]
+
+    def window(us: float, held: bool = True) -> dict:
+        return {"session_us": us, "held_real_time": held}
+
+    rounds = [
+        {"base": window(600), "streams": window(480), "lanes": window(240)},
+        {"base": window(700), "streams": window(490), "lanes": window(420)},
+        {"base": window(500), "streams": window(400), "lanes": window(200)},
+    ]
+    v = ab.judge(rounds)
+    assert [r["lanes_over_base"] for r in rounds] == pytest.approx([0.4, 0.6, 0.4])
+    assert v["lanes_over_base"] == pytest.approx(0.4) and v["lanes_met"]
+    assert v["streams_over_base"] == pytest.approx(0.8) and not v["streams_met"]
+    assert v["held_real_time"]
+    rounds[1]["lanes"] = window(420, held=False)
+    assert not ab.judge(rounds)["held_real_time"]
+    with pytest.raises(_sys.NoMeasurement, match="no round"):
+        ab.judge([])
+
+
+def test_against_baseline_refuses_a_window_without_session_cpu_and_a_record_without_a_commit(tmp_path: Path):
+    from benchmarks import against_baseline as ab
+
+    figures = ab.window_figures(
+        {"cpu_us_per_frame": {"session": 610.0, "worker": 700.0}, "mean_batch": 2.4, "held_real_time": True},
+        "x",
+    )
+    assert figures["session_us"] == 610.0 and figures["worker_us"] == 700.0 and figures["mean_batch"] == 2.4
+    with pytest.raises(_sys.NoMeasurement, match="the baseline's window measured no session-service CPU"):
+        ab.window_figures({"cpu_us_per_frame": {"session": None}}, "the baseline's")
+    record = tmp_path / "baseline.json"
+    record.write_text(json.dumps({"run": {"git": {"commit": "abc123"}}}))
+    assert ab.baseline_commit(record) == "abc123"
+    record.write_text(json.dumps({"run": {}}))
+    with pytest.raises(_sys.NoMeasurement, match="names no commit"):
+        ab.baseline_commit(record)
+
+
+def test_against_baseline_checks_out_a_commit_of_a_real_repository(tmp_path: Path):
+    import subprocess
+
+    from benchmarks import against_baseline as ab
+
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "mod.py").write_text("VALUE = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    first = subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    (repo / "pkg" / "mod.py").write_text("VALUE = 2\n")
+    subprocess.run([*git, "commit", "-q", "-am", "two"], check=True)
+    dest = tmp_path / "tree"
+    dest.mkdir()
+    ab.checkout(first, dest, repo=repo)
+    assert (dest / "pkg" / "mod.py").read_text() == "VALUE = 1\n"  # that commit's, not the work tree's
+    with pytest.raises(_sys.NoMeasurement, match="is not in this clone"):
+        ab.checkout("0" * 40, tmp_path / "none", repo=repo)
