@@ -542,7 +542,8 @@ class SessionRunner:
     # ---- client events ---------------------------------------------------------------------
 
     async def _on_append(self, ap: session_pb2.InputAudioAppend, received: float) -> None:
-        self._check_append(ap)
+        pcm = ap.pcm  # read once: each read of a bytes field copies it
+        self._check_append(ap, pcm)
         if self.seq_status is SeqStatus.RESTART_ALLOWED and ap.seq == 1:
             # The client saw audio_cancelled and restarted; appends it sent before are behind us.
             self.seq_status = SeqStatus.IN_EPOCH
@@ -562,7 +563,7 @@ class SessionRunner:
         if link is None or not link.healthy:
             link = await self._bound_link()
         fence = self._fence()
-        res = self.state.audio_buffer.reserve_append(ap.pcm)
+        res = self.state.audio_buffer.reserve_append(pcm)
         frames = res.frames
         try:
             if frames:
@@ -590,7 +591,7 @@ class SessionRunner:
         res.commit()
         self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes
         fmt = self.settings.input_format
-        self._timeline.client(len(ap.pcm) // fmt.frame_bytes / fmt.sample_rate_hz, received)
+        self._timeline.client(len(pcm) // fmt.frame_bytes / fmt.sample_rate_hz, received)
         # Acked in the epoch of the client's numbering (older than the fence's when the client
         # appended on before it saw audio_cancelled, or the session moved meanwhile).
         if self.epoch == fence.epoch:
@@ -613,7 +614,7 @@ class SessionRunner:
             raise
         return wseq
 
-    def _check_append(self, ap: session_pb2.InputAudioAppend) -> None:
+    def _check_append(self, ap: session_pb2.InputAudioAppend, pcm: bytes) -> None:
         fmt = self.settings.input_format
         if ap.HasField("format"):
             declared = PcmFormat.from_proto(ap.format)  # unsupported_audio_format
@@ -621,19 +622,19 @@ class SessionRunner:
                 raise BadEventError(
                     ErrorCode.AUDIO_FORMAT_MISMATCH, f"append declares {declared}, the session input is {fmt}"
                 )
-        if len(ap.pcm) > self._caps.max_append_bytes:
+        n = len(pcm)
+        if n > self._caps.max_append_bytes:
             raise BadEventError(
                 ErrorCode.CHUNK_TOO_LARGE,
-                f"{len(ap.pcm)} bytes > max_append_bytes {self._caps.max_append_bytes}",
+                f"{n} bytes > max_append_bytes {self._caps.max_append_bytes}",
             )
-        if not ap.pcm or len(ap.pcm) % fmt.frame_bytes:
+        if not n or n % fmt.frame_bytes:
             raise BadEventError(
                 ErrorCode.INVALID_PCM_LENGTH,
-                f"{len(ap.pcm)} bytes is not a positive whole number of {fmt.frame_bytes}-byte frames "
-                f"for {fmt}",
+                f"{n} bytes is not a positive whole number of {fmt.frame_bytes}-byte frames for {fmt}",
             )
         # Checked before the append takes its seq (the converter would refuse it only after).
-        if fmt.encoding == F32LE and not np.isfinite(np.frombuffer(ap.pcm, dtype="<f4")).all():
+        if fmt.encoding == F32LE and not np.isfinite(np.frombuffer(pcm, dtype="<f4")).all():
             raise BadEventError(ErrorCode.INVALID_EVENT, "float PCM contains NaN or infinity")
 
     async def _on_commit(self, received: float) -> None:
