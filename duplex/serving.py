@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
@@ -167,7 +168,7 @@ def split_host_port(value: str) -> tuple[str, int]:
 #: ``--event-loop`` choices: ``auto`` is uvloop where it is installed, else asyncio's own.
 EVENT_LOOPS: Final = ("auto", "uvloop", "asyncio")
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 def event_loop_name(choice: str) -> str:
@@ -181,25 +182,37 @@ def event_loop_name(choice: str) -> str:
     return "uvloop" if choice == "uvloop" or (choice == "auto" and have_uvloop) else "asyncio"
 
 
-def run_service(main: Coroutine[Any, Any, T], event_loop: str = "auto") -> T:
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop maker for ``choice``, or None (asyncio's own). ``auto`` falls back to asyncio
+    when uvloop is there but does not import (a broken install)."""
+    if event_loop_name(choice) == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError as exc:
+        if choice == "auto":
+            return None
+        raise ValueError(f"--event-loop uvloop: uvloop does not import ({exc})") from exc
+    return uvloop.new_event_loop
+
+
+def run_service(main: Coroutine[Any, Any, _T], event_loop: str = "auto") -> _T:
     """Run a service's ``main`` to its end on the loop ``event_loop`` names (``event_loop_name``).
 
     uvloop (libuv's loop, in Cython) because a session-frame wakes several tasks, futures and
     timers, and gRPC's asyncio API hands every completed read and write to the loop through a
     socket: each of those costs less CPU there than in asyncio's pure-Python loop."""
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     try:
-        if event_loop_name(event_loop) == "uvloop":
-            import uvloop
-
-            factory = uvloop.new_event_loop
-    except BaseException:
-        main.close()  # never awaited: no "coroutine was never awaited" warning on a bad choice
-        raise
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main)
+        with asyncio.Runner(loop_factory=_loop_factory(event_loop)) as runner:
+            return runner.run(main)
+    finally:
+        main.close()  # a no-op once it ran; otherwise no "coroutine was never awaited" warning
 
 
 def running_loop_name() -> str:
     """``uvloop`` or ``asyncio``: what the running event loop is (a service announces it)."""
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
+#: The signals a service drains and stops on.
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)

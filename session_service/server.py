@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -19,6 +18,7 @@ import grpc
 
 from duplex.clock import MONOTONIC, Clock
 from duplex.serving import (
+    STOP_SIGNALS,
     Health,
     MetricsServer,
     add_reflection,
@@ -249,10 +249,15 @@ async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
     print(json.dumps(announce), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop()
+    try:
+        await stop.wait()
+        await server.stop()
+    finally:
+        # While the loop runs: uvloop's loop does not give them back once it has stopped.
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
     return 0
 
 

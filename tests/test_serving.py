@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 
 import pytest
 
@@ -11,14 +12,20 @@ from duplex import serving
 from duplex.serving import event_loop_name, run_service, running_loop_name
 from duplex.stack import LocalStack
 from session_service.cli import config_from_args as session_config
+from session_service.config import ServiceConfig
 from worker_service.cli import build_parser as worker_parser
 from worker_service.cli import config_from_args as worker_config
+from worker_service.config import WorkerConfig
+
+# uvloop is a base dependency everywhere but Windows, where it does not run.
+needs_uvloop = pytest.mark.skipif(sys.platform == "win32", reason="uvloop does not run on Windows")
 
 
 async def _loop_name() -> str:
     return running_loop_name()
 
 
+@needs_uvloop
 def test_auto_is_uvloop_where_installed_and_asyncio_is_the_standard_loop():
     assert importlib.util.find_spec("uvloop") is not None  # a base dependency on this platform
     assert event_loop_name("auto") == "uvloop"
@@ -49,14 +56,32 @@ def test_an_unknown_loop_is_refused_and_the_service_coroutine_is_closed_unrun():
     assert main.cr_frame is None  # closed: no "never awaited" warning, nothing ran
 
 
-def test_run_service_returns_what_the_service_returns_and_leaves_no_loop_set():
-    async def main() -> int:
+@needs_uvloop
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_run_service_returns_what_the_service_returns_and_closes_its_loop(loop):
+    async def main() -> asyncio.AbstractEventLoop:
         await asyncio.sleep(0)
-        return 7
+        return asyncio.get_running_loop()
 
-    assert run_service(main(), "uvloop") == 7
-    with pytest.raises(RuntimeError):
-        asyncio.get_running_loop()
+    ran_on = run_service(main(), loop)
+    assert ran_on.is_closed()
+
+
+def test_run_service_closes_a_service_that_fails_and_passes_its_error_on():
+    async def main() -> None:
+        raise RuntimeError("boom")
+
+    coro = main()
+    with pytest.raises(RuntimeError, match="boom"):
+        run_service(coro, "asyncio")
+    assert coro.cr_frame is None
+
+
+def test_both_configs_refuse_an_unknown_loop():
+    with pytest.raises(ValueError, match="event_loop must be one of"):
+        ServiceConfig(plugin="p:P", workers=("127.0.0.1:1",), event_loop="trio")
+    with pytest.raises(ValueError, match="event_loop must be one of"):
+        WorkerConfig(event_loop="trio")
 
 
 def test_both_services_take_the_flag():
@@ -71,6 +96,8 @@ def test_both_services_take_the_flag():
         worker_parser().parse_args(["--event-loop", "trio"])
 
 
+@needs_uvloop
+@pytest.mark.process
 def test_real_processes_announce_their_loop_uvloop_by_default_asyncio_when_asked():
     with LocalStack(startup_timeout_s=60) as stack:
         assert stack.session is not None and stack.session.event_loop == "uvloop"

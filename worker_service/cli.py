@@ -7,12 +7,18 @@ import asyncio
 import dataclasses
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
 from duplex.errors import DuplexError
-from duplex.serving import EVENT_LOOPS, event_loop_name, run_service, running_loop_name, split_host_port
+from duplex.serving import (
+    EVENT_LOOPS,
+    STOP_SIGNALS,
+    event_loop_name,
+    run_service,
+    running_loop_name,
+    split_host_port,
+)
 from duplex.tls import ServerTLS
 from worker_service.config import (
     DEFAULT_ATTACH_LEASE_S,
@@ -214,8 +220,19 @@ async def serve(config: WorkerConfig) -> int:
     server = WorkerServer(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    try:
+        await _serve_until(server, config, stop)
+    finally:
+        # While the loop runs: uvloop's loop does not give them back once it has stopped.
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+async def _serve_until(server: WorkerServer, config: WorkerConfig, stop: asyncio.Event) -> None:
+    """Start, announce, serve until ``stop`` is set, then drain."""
     await server.start()
     metrics = f"{config.metrics_host}:{server.metrics.port}" if server.metrics else ""
     announce = {
@@ -240,7 +257,6 @@ async def serve(config: WorkerConfig) -> int:
     logger.info("draining")
     await server.stop()
     logger.info("stopped")
-    return 0
 
 
 def main(argv: list[str]) -> int:

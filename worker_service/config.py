@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from duplex.serving import EVENT_LOOPS
 from duplex.tls import ServerTLS
 
 #: How long a closed session's tombstone is kept by default: the lifetime of a resume token.
@@ -106,6 +107,8 @@ class WorkerConfig:
         return self.tls is not None and self.tls.client_ca is not None
 
     def __post_init__(self) -> None:
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if not 0.0 <= self.step_interval_ms <= MAX_STEP_INTERVAL_MS:
