@@ -8,19 +8,22 @@ baseline's own code (the commit ``benchmarks/baseline.json`` was recorded at, or
 ``git archive`` into a temporary directory) and measures it beside this tree's, in turn:
 
 * **the baseline**: its own ``benchmarks.tiers`` in its own tree (its session service, its load
-  generator, its load: one ``Converse`` stream per session), one window;
-* **this tree**, the same load (``benchmarks.tiers``' windows, one stack): one ``Converse`` stream
-  per session, then the sessions as lanes of one ``ConverseMany`` stream per generator process.
+  generator, one ``Converse`` stream per session; its clients predate acks carried on output and
+  take an ``input_ack`` event per append), one window;
+* **this tree**: the same 32 sessions at real time (``benchmarks.tiers``' windows, one stack) as
+  its clients hold them today (acks carried on output): one ``Converse`` stream per session, and
+  the sessions as lanes of one ``ConverseMany`` stream per generator process.
 
-Rounds alternate the order (baseline first, then this tree first, ...), so a drift of the
-machine's speed weighs on both sides alike. Each round's ratios (this tree's session service CPU
-per session-frame over the baseline's, minutes apart) are the comparison; the figure is their
-median, against the target of 0.5.
+Rounds are mirrored (baseline, streams, lanes; then lanes, streams, baseline; ...), so a steady
+drift of the machine's speed weighs on every figure's ratio alike. Each round's ratios (this
+tree's session service CPU per session-frame over the baseline's, minutes apart) are the
+comparison; the figure is their median, against the target of 0.5.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -35,6 +38,7 @@ from typing import Any
 from benchmarks._services import stack
 from benchmarks._sys import REPO, NoMeasurement, fail, write_result
 from benchmarks.tiers import compared_row, load_spec, load_window
+from duplex.stack import die_with_parent
 
 #: The session tier's target against the baseline: at most half its CPU per session-frame.
 TARGET = 0.5
@@ -54,19 +58,34 @@ def baseline_commit(baseline: Path) -> str:
     return commit
 
 
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    try:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NoMeasurement(f"git could not be run ({exc})") from exc
+
+
+def _last_line(proc: subprocess.CompletedProcess[bytes]) -> str:
+    lines = proc.stderr.decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"exit {proc.returncode}"
+
+
 def checkout(commit: str, dest: Path, *, repo: Path = REPO) -> None:
     """The tree of ``commit`` into ``dest`` (``git archive``: no worktree left behind)."""
-    proc = subprocess.run(
-        ["git", "-C", str(repo), "archive", "--format=tar", commit], capture_output=True, timeout=60
-    )
+    # Resolved first, as a revision and nothing else (a name starting with "-" is no option).
+    found = _git(repo, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{commit}^{{commit}}")
+    if found.returncode != 0:
+        if _git(repo, "rev-parse", "--git-dir").returncode != 0:
+            raise NoMeasurement(f"{repo} is not a git clone ({_last_line(found)})")
+        raise NoMeasurement(f"the baseline's commit {commit[:12]} is not in this clone; a full clone has it")
+    proc = _git(repo, "archive", "--format=tar", found.stdout.decode().strip())
     if proc.returncode != 0:
-        why = proc.stderr.decode(errors="replace").strip().splitlines()
-        raise NoMeasurement(
-            f"the baseline's commit {commit[:12]} is not in this clone "
-            f"({why[-1] if why else 'git archive failed'}); a full clone has it"
-        )
+        raise NoMeasurement(f"git archive of {commit[:12]} failed ({_last_line(proc)})")
     with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
-        tar.extractall(dest, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+            tar.extractall(dest, filter="data")
+        else:  # our own repository's archive
+            tar.extractall(dest)
 
 
 def base_window(
@@ -87,7 +106,16 @@ def base_window(
     ]
     argv += ["--device", device, "--torch-threads", str(torch_threads), "--json", str(out)]
     try:
-        proc = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=BASE_TIMEOUT_S)
+        proc = subprocess.run(
+            argv,
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=BASE_TIMEOUT_S,
+            # Killed with this process (a section's timeout): its stack and load die with it.
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
     except subprocess.TimeoutExpired as exc:
         raise NoMeasurement(f"the baseline's tiers ran past {BASE_TIMEOUT_S} s") from exc
     if proc.returncode != 0 or not out.exists():
@@ -113,11 +141,15 @@ def window_figures(result: dict[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-def head_windows(*, sessions: int, seconds: float, device: str, torch_threads: int) -> dict[str, Any]:
-    """This tree's two windows on one stack: one stream per session, then lanes."""
+def head_windows(
+    *, sessions: int, seconds: float, device: str, torch_threads: int, lanes_first: bool = False
+) -> dict[str, Any]:
+    """This tree's two windows on one stack: one stream per session and lanes, in that order or
+    (``lanes_first``) the other."""
     out: dict[str, Any] = {}
+    order = [("streams", False), ("lanes", True)]
     with stack("parrot", device=device, torch_threads=torch_threads) as st:
-        for name, lanes in (("streams", False), ("lanes", True)):
+        for name, lanes in order[::-1] if lanes_first else order:
             spec = load_spec(sessions, seconds=seconds, lanes=lanes)
             out[name] = window_figures(
                 compared_row(name, *load_window(st, spec), spec), f"this tree's {name}"
@@ -131,7 +163,8 @@ def base_first(round_index: int) -> bool:
 
 
 def judge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each round's ratios to the baseline measured in it, and their medians against ``TARGET``."""
+    """Each round's ratios to the baseline measured in it (written into the round, for the
+    record), and their medians against ``TARGET``."""
     if not rounds:
         raise NoMeasurement("no round was measured")
     for r in rounds:
@@ -161,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     try:
         commit = args.base or baseline_commit(Path(args.baseline))
         print(
@@ -183,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 r: dict[str, Any] = {"base_first": first}
                 if first:
                     r["base"] = base_window(tree, **kw)
-                r.update(head_windows(**kw))
+                r.update(head_windows(**kw, lanes_first=not first))
                 if not first:
                     r["base"] = base_window(tree, **kw)
                 rounds.append(r)

@@ -640,13 +640,15 @@ def _against_md(add: Any, a: dict[str, Any] | None) -> None:
         return
     add(
         f"The baseline's own code (commit `{a['base_commit'][:12]}`, checked out with `git archive`) and "
-        "this tree's, measured in turn on this machine minutes apart, the order alternating from one "
-        "round to the next: the baseline's `benchmarks.tiers` (its session service, its load generator, "
-        "one `Converse` stream per session), then this tree's on the same load with one stream per "
-        f"session and with the sessions as lanes of one `ConverseMany` stream ({a['sessions']} parrot "
-        f"sessions, {a['window_s']:g} s windows). A run on another day is no measure of half: this "
-        "machine's speed moves more than that between hours. Each round's ratio compares "
-        "figures taken minutes apart; the figure is their median"
+        "this tree's, measured in turn on this machine minutes apart: the baseline's `benchmarks.tiers` "
+        "(its session service and its load generator, one `Converse` stream per session, its clients "
+        "taking an `input_ack` event per append), and this tree's with the same sessions as its clients "
+        "hold them today (acks carried on output), one stream per session and as lanes of one "
+        f"`ConverseMany` stream ({a['sessions']} parrot sessions, {a['window_s']:g} s windows). Rounds are "
+        "mirrored (baseline, streams, lanes; then lanes, streams, baseline), so a steady drift of the "
+        "machine weighs on every ratio alike. A run on another day is no measure of half: this "
+        "machine's speed moves more than that between hours. Each round's ratio compares figures taken "
+        "minutes apart; the figure is their median"
         + ("." if a.get("held_real_time") else "; some window did **not** hold real time.")
         + "\n"
     )
@@ -654,9 +656,9 @@ def _against_md(add: Any, a: dict[str, Any] | None) -> None:
         [
             str(i + 1),
             "baseline" if r["base_first"] else "this tree",
-            f(r["base"]["session_us"], ".0f"),
-            f(r["streams"]["session_us"], ".0f"),
-            f(r["lanes"]["session_us"], ".0f"),
+            f(_get(r, "base", "session_us"), ".0f"),
+            f(_get(r, "streams", "session_us"), ".0f"),
+            f(_get(r, "lanes", "session_us"), ".0f"),
             f(r.get("streams_over_base"), ".2f") + "x",
             f(r.get("lanes_over_base"), ".2f") + "x",
         ]

@@ -710,3 +710,10 @@ def test_against_baseline_checks_out_a_commit_of_a_real_repository(tmp_path: Pat
     assert (dest / "pkg" / "mod.py").read_text() == "VALUE = 1\n"  # that commit's, not the work tree's
     with pytest.raises(_sys.NoMeasurement, match="is not in this clone"):
         ab.checkout("0" * 40, tmp_path / "none", repo=repo)
+    # A name that git would take for an option is only ever a revision (there is none such).
+    with pytest.raises(_sys.NoMeasurement, match="is not in this clone"):
+        ab.checkout("--output=/tmp/x", tmp_path / "none", repo=repo)
+    not_a_clone = tmp_path / "plain"
+    not_a_clone.mkdir()
+    with pytest.raises(_sys.NoMeasurement, match="is not a git clone"):
+        ab.checkout(first, tmp_path / "none", repo=not_a_clone)
