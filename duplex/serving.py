@@ -4,10 +4,11 @@ loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import signal
 import threading
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 from wsgiref.simple_server import WSGIServer
@@ -216,3 +217,19 @@ def running_loop_name() -> str:
 
 #: The signals a service drains and stops on.
 STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[asyncio.Event]:
+    """An event that SIGTERM or SIGINT sets while the block runs (in the running loop). The
+    handlers are given back at the block's end, while the loop still runs: uvloop's loop does
+    not give them back once it has stopped, and a second Ctrl-C must still stop the process."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)

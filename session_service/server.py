@@ -18,7 +18,6 @@ import grpc
 
 from duplex.clock import MONOTONIC, Clock
 from duplex.serving import (
-    STOP_SIGNALS,
     Health,
     MetricsServer,
     add_reflection,
@@ -28,6 +27,7 @@ from duplex.serving import (
     serve_metrics,
     server_options,
     split_host_port,
+    stop_signals,
 )
 from duplex.tls import ChannelCredentials, server_credentials
 from duplex.v1 import session_pb2_grpc
@@ -247,17 +247,9 @@ async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
     if server.health_port:
         announce["health"] = f"{_announce_host(split_host_port(cfg.health_listen)[0])}:{server.health_port}"
     print(json.dumps(announce), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    with stop_signals() as stop:
         await stop.wait()
         await server.stop()
-    finally:
-        # While the loop runs: uvloop's loop does not give them back once it has stopped.
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
     return 0
 
 

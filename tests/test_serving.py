@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import signal
 import sys
 
 import pytest
 
 from duplex import serving
-from duplex.serving import event_loop_name, run_service, running_loop_name
+from duplex.serving import event_loop_name, run_service, running_loop_name, stop_signals
 from duplex.stack import LocalStack
 from session_service.cli import config_from_args as session_config
 from session_service.config import ServiceConfig
@@ -75,6 +77,22 @@ def test_run_service_closes_a_service_that_fails_and_passes_its_error_on():
     with pytest.raises(RuntimeError, match="boom"):
         run_service(coro, "asyncio")
     assert coro.cr_frame is None
+
+
+@needs_uvloop
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_stop_signal_sets_the_event_and_its_handler_is_given_back(loop):
+    before = signal.getsignal(signal.SIGTERM)
+
+    async def main() -> object:
+        with stop_signals() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.wait_for(stop.wait(), 5)
+        return signal.getsignal(signal.SIGTERM)
+
+    # Given back while the loop ran (uvloop's loop would not once it had stopped), and still so after.
+    assert run_service(main(), loop) == before
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_both_configs_refuse_an_unknown_loop():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import logging
@@ -13,11 +12,11 @@ from pathlib import Path
 from duplex.errors import DuplexError
 from duplex.serving import (
     EVENT_LOOPS,
-    STOP_SIGNALS,
     event_loop_name,
     run_service,
     running_loop_name,
     split_host_port,
+    stop_signals,
 )
 from duplex.tls import ServerTLS
 from worker_service.config import (
@@ -218,45 +217,32 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 async def serve(config: WorkerConfig) -> int:
     server = WorkerServer(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await _serve_until(server, config, stop)
-    finally:
-        # While the loop runs: uvloop's loop does not give them back once it has stopped.
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
+    with stop_signals() as stop:
+        await server.start()
+        metrics = f"{config.metrics_host}:{server.metrics.port}" if server.metrics else ""
+        announce = {
+            "event": "listening",
+            "grpc": server.address,
+            "metrics": metrics,
+            "event_loop": running_loop_name(),
+        }
+        if server.health_port:
+            announce["health"] = f"{split_host_port(config.health_listen)[0]}:{server.health_port}"
+        print(json.dumps(announce), flush=True)
+        model = server.state.model
+        assert model is not None
+        logger.info(
+            "worker %s serving model %s on %s at %s",
+            config.worker_id,
+            model.model_id,
+            model.device,
+            server.address,
+        )
+        await stop.wait()
+        logger.info("draining")
+        await server.stop()
+        logger.info("stopped")
     return 0
-
-
-async def _serve_until(server: WorkerServer, config: WorkerConfig, stop: asyncio.Event) -> None:
-    """Start, announce, serve until ``stop`` is set, then drain."""
-    await server.start()
-    metrics = f"{config.metrics_host}:{server.metrics.port}" if server.metrics else ""
-    announce = {
-        "event": "listening",
-        "grpc": server.address,
-        "metrics": metrics,
-        "event_loop": running_loop_name(),
-    }
-    if server.health_port:
-        announce["health"] = f"{split_host_port(config.health_listen)[0]}:{server.health_port}"
-    print(json.dumps(announce), flush=True)
-    model = server.state.model
-    assert model is not None
-    logger.info(
-        "worker %s serving model %s on %s at %s",
-        config.worker_id,
-        model.model_id,
-        model.device,
-        server.address,
-    )
-    await stop.wait()
-    logger.info("draining")
-    await server.stop()
-    logger.info("stopped")
 
 
 def main(argv: list[str]) -> int:
