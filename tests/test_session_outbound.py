@@ -21,6 +21,30 @@ def _kind(ev: session_pb2.ServerEvent | None) -> str:
     return ev.WhichOneof("event") or "" if ev is not None else "none"
 
 
+#: The last event a stream gets once another stream resumed its session.
+_RESUMED_ELSEWHERE = session_pb2.ServerEvent(closed=session_pb2.SessionClosed(reason="resumed_elsewhere"))
+
+
+class _Epoch:
+    """The session's epoch as a queue reads it (a barge-in moves it on)."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+    def __call__(self) -> int:
+        return self.value
+
+
+def _resumed_then_barged_in(out: Outbound, epoch: _Epoch) -> int:
+    """A resume attaches a new stream (the displaced one gets ``resumed_elsewhere`` as its last
+    event) and its client barges in: epoch 1 -> 2, ``audio_cancelled`` queued. The new
+    stream's attachment."""
+    new = out.attach(farewell=_RESUMED_ELSEWHERE)
+    epoch.value = 2
+    out.put(session_pb2.ServerEvent(audio_cancelled=session_pb2.AudioCancelled(cancelled_epoch=1, epoch=2)))
+    return new
+
+
 async def test_the_consumer_never_sees_audio_of_an_epoch_the_session_left() -> None:
     epoch = 1
     out = Outbound(lambda: epoch)
@@ -83,15 +107,12 @@ async def test_a_resumed_stream_takes_nothing_until_the_displaced_one_finished_i
     """The displaced stream took an audio event and is writing it when a resume attaches a new
     stream, whose client barges in: the new stream's ``audio_cancelled`` must not go out before
     that write is done (else old audio would follow it on the old stream)."""
-    epoch = 1
-    out = Outbound(lambda: epoch)
+    epoch = _Epoch()
+    out = Outbound(epoch)
     out.put(_audio(1), epoch=1)
     old = out.attach()
     assert _kind(await out.get(old)) == "audio_delta"  # ... and now being written
-    farewell = session_pb2.ServerEvent(closed=session_pb2.SessionClosed(reason="resumed_elsewhere"))
-    new = out.attach(farewell=farewell)
-    epoch = 2
-    out.put(session_pb2.ServerEvent(audio_cancelled=session_pb2.AudioCancelled(cancelled_epoch=1, epoch=2)))
+    new = _resumed_then_barged_in(out, epoch)
     taken = asyncio.ensure_future(out.get(new))
     await asyncio.sleep(0.05)
     assert not taken.done(), "the new stream took an event while the old one was still writing"
@@ -207,16 +228,13 @@ async def test_a_taking_stream_resumed_elsewhere_waits_for_the_displaced_one_s_w
     """The handover between the two kinds of stream, both ways: a ``get`` stream waits until a
     displaced taking stream says it wrote what it took, and a taking stream takes nothing until
     a displaced ``get`` stream asks again (its listener is told when it does)."""
-    epoch = 1
-    out = Outbound(lambda: epoch)
+    epoch = _Epoch()
+    out = Outbound(epoch)
     out.put(_audio(1), epoch=1)
     taker = out.attach()
     events, _ = out.take(taker, 10)
     assert len(events) == 1  # ... and now being written
-    farewell = session_pb2.ServerEvent(closed=session_pb2.SessionClosed(reason="resumed_elsewhere"))
-    getter = out.attach(farewell=farewell)
-    epoch = 2
-    out.put(session_pb2.ServerEvent(audio_cancelled=session_pb2.AudioCancelled(cancelled_epoch=1, epoch=2)))
+    getter = _resumed_then_barged_in(out, epoch)
     got = asyncio.ensure_future(out.get(getter))
     await asyncio.sleep(0.05)
     assert not got.done(), "the new stream took an event while the displaced one was still writing"
@@ -230,7 +248,7 @@ async def test_a_taking_stream_resumed_elsewhere_waits_for_the_displaced_one_s_w
     out.put(_audio(2), epoch=2)
     assert _kind(await out.get(getter)) == "audio_delta"
     told: list[int] = []
-    taker2 = out.attach(farewell=farewell)
+    taker2 = out.attach(farewell=_RESUMED_ELSEWHERE)
     out.listen(taker2, lambda: told.append(1))
     out.put(session_pb2.ServerEvent(committed=session_pb2.InputCommitted()))
     assert out.take(taker2, 10) == ([], False)
