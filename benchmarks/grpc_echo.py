@@ -173,6 +173,9 @@ def per_pair(d0: dict[str, float], d1: dict[str, float], pairs: float) -> dict[s
     if pairs <= 0:
         raise NoMeasurement("no message pair in the window")
     user, system = d1["user_s"] - d0["user_s"], d1["system_s"] - d0["system_s"]
+    if user + system <= 0:
+        # /proc counts CPU in clock ticks (10 ms): a window that light is not a measurement.
+        raise NoMeasurement("no server CPU was counted in the window; drive more pairs or a longer window")
     return {
         "cpu_us_per_pair": 1e6 * (user + system) / pairs,
         "user_us": 1e6 * user / pairs,

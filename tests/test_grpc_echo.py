@@ -56,7 +56,16 @@ def test_echo_server_listens_on_loopback_only_echoes_and_bounds_messages(echo_se
 
 
 def test_measure_gives_cpu_per_message_pair():
-    r = grpc_echo.measure(2, 32.0, seconds=0.5, warmup_s=0.2)
+    # About 1,600 pairs: well above /proc's 10 ms tick of CPU (2 streams at 32 ms read 0 once).
+    r = grpc_echo.measure(8, 5.0, seconds=1.0, warmup_s=0.2)
     assert r["echoed"] > 0 and r["pairs"] > 0
     assert r["cpu_us_per_pair"] > 0 and r["switches"] >= 0
     assert r["cpu_us_per_pair"] == pytest.approx(r["user_us"] + r["kernel_us"])
+
+
+def test_a_window_without_counted_cpu_is_no_measurement():
+    d = {"user_s": 1.0, "system_s": 0.5, "switches": 10.0}
+    with pytest.raises(grpc_echo.NoMeasurement, match="no server CPU"):
+        grpc_echo.per_pair(d, dict(d), 30.0)
+    with pytest.raises(grpc_echo.NoMeasurement, match="no message pair"):
+        grpc_echo.per_pair(d, d | {"user_s": 1.01}, 0.0)
