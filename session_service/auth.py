@@ -31,7 +31,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Mapping
@@ -88,15 +87,12 @@ def token_digest(token: str) -> str:
 # ---- files that reload ------------------------------------------------------------------------
 
 
-def _stamp(path: Path) -> tuple[int, int, int, int]:
-    # Follows symlinks: a Kubernetes Secret's atomic swap of ..data changes the inode.
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 class ReloadingFile(Generic[_T]):
-    """A file's parsed contents, re-read when the file changed (checked at most every
-    ``check_interval_s``, by its stat alone when it did not).
+    """A file's parsed contents, kept current: the file is read again at most every
+    ``check_interval_s`` (through symlinks, so a Kubernetes Secret's swap of ``..data`` is seen)
+    and parsed again when its bytes changed. Its bytes, not its stat: an edit in place that
+    keeps the size, within the file system's timestamp tick, leaves the stat as it was, and a
+    revoked token must not stay valid for that.
 
     At construction a file that cannot be read or parsed raises ``BadRequestError``
     (``invalid_config``: the service refuses to start). Later, such a file keeps the last good
@@ -117,13 +113,13 @@ class ReloadingFile(Generic[_T]):
         self._interval = check_interval_s
         self._clock = clock
         try:
-            self._stamp = _stamp(path)
             data = path.read_bytes()
         except OSError as exc:
             raise BadRequestError(
                 ErrorCode.INVALID_CONFIG, f"cannot read the {what} {path}: {exc.strerror or exc}"
             ) from exc
         self._value = parse(data)
+        self._data = data
         self._checked = clock()
         self._problem: str | None = None
 
@@ -136,17 +132,17 @@ class ReloadingFile(Generic[_T]):
 
     def _refresh(self) -> None:
         try:
-            stamp = _stamp(self.path)
-            if stamp == self._stamp:
+            data = self.path.read_bytes()
+            if data == self._data:
                 return
-            value = self._parse(self.path.read_bytes())
+            value = self._parse(data)
         except OSError as exc:
             self._warn(f"cannot read it: {exc.strerror or exc}")
             return
         except BadRequestError as exc:
             self._warn(exc.message)
             return
-        self._stamp, self._value, self._problem = stamp, value, None
+        self._data, self._value, self._problem = data, value, None
         log.info("%s %s reloaded", self._what, self.path)
 
     def _warn(self, problem: str) -> None:

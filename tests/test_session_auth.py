@@ -632,6 +632,24 @@ def test_a_rotation_that_cannot_be_used_keeps_the_last_good_tokens(
     assert slow.principal(CAROL_TOKEN) == "carol"
 
 
+def test_a_revocation_in_place_is_seen_when_the_stat_is_unchanged(tmp_path: Path) -> None:
+    # Same size, same inode, and (as within one timestamp tick of an older kernel) the same
+    # times: only the bytes tell that carol replaced alice.
+    path = write_tokens(tmp_path / "tokens", {ALICE_TOKEN: "alice"})
+    before = os.stat(path)
+    tokens = TokenFile(path, check_interval_s=0)
+    assert tokens.principal(ALICE_TOKEN) == "alice"
+    write_tokens(path, {CAROL_TOKEN: "carol"})
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    assert tokens.principal(ALICE_TOKEN) is None and tokens.principal(CAROL_TOKEN) == "carol"
+
+
 def test_jwt_rules(jwks: Jwks) -> None:
     verifier = JwksVerifier(jwks.path, AUDIENCE, check_interval_s=0)
     assert verifier.principal(jwks.token(sub="bob")) == "bob"
