@@ -30,7 +30,7 @@ FAULTS = ["SIGKILL worker", "SIGSTOP worker", "SIGCONT worker", "SIGKILL session
 
 
 @pytest.mark.process
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_sessions_come_through_killed_and_hung_processes(tmp_path: Path) -> None:
     report = run(Options(sessions=16, seconds=30.0, log_dir=tmp_path))
     text = io.StringIO()

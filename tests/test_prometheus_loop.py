@@ -77,32 +77,47 @@ def _prometheus(tmp: Path, targets: dict[str, str]) -> Iterator[str]:
         ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait(
-            lambda: urllib.request.urlopen(f"{base}/-/ready", timeout=2).status == 200,
-            within=30,
-            what="ready",
+    for _attempt in range(3):
+        # Prometheus takes no port 0: a free port is picked first, and another process may
+        # bind it in between. Prometheus then exits at once, and another port is tried.
+        port = _free_port()
+        proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
-        yield base
-    finally:
-        proc.terminate()
+        base = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            if _ready(proc, base):
+                yield base
+                return
+        finally:
+            _stop(proc)
+    raise AssertionError(f"prometheus exited at start three times (exit {proc.returncode})")
+
+
+def _ready(proc: subprocess.Popen[bytes], base: str) -> bool:
+    """Whether Prometheus answers ready at ``base``; False once it has exited instead."""
+
+    def up() -> bool:
+        return proc.poll() is not None or urllib.request.urlopen(f"{base}/-/ready", timeout=2).status == 200
+
+    _wait(up, within=30, what="ready")
+    return proc.poll() is None
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 async def _talk(target: str) -> None:

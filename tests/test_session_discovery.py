@@ -233,12 +233,14 @@ async def test_a_nudge_resolves_at_once_but_never_more_often_than_the_minimum_in
         await resolutions(1)
         discovery.nudge()  # a link was lost: look again, but not within 0.3 s of the last look
         await resolutions(2)
-        assert 0.28 <= times[1] - times[0] < 1.0
+        assert 0.28 <= times[1] - times[0] < 5.0  # soon, not the interval's minute away
         for _ in range(20):  # a burst of losses
             discovery.nudge()
             await asyncio.sleep(0.01)
         await asyncio.sleep(1.0)
-        assert 3 <= len(times) <= 5, len(times)
+        # The burst was looked at, and never more often than the minimum interval (spacing,
+        # not a count: a late loop stretches the burst, and so the looks it may have).
+        assert len(times) >= 3, len(times)
         assert all(b - a >= 0.28 for a, b in itertools.pairwise(times))
         # Nobody nudges: the next look is a minute away.
         settled = len(times)
@@ -249,7 +251,8 @@ async def test_a_nudge_resolves_at_once_but_never_more_often_than_the_minimum_in
         discovery.nudge()
         await resolutions(settled + 3)
         gaps = [b - a for a, b in itertools.pairwise(times[settled:])]
-        assert gaps[1] > gaps[0] * 1.5, gaps
+        # 0.3 s, then 0.6 s. Lower bounds only: a late loop lengthens a gap, never shortens it.
+        assert gaps[0] >= 0.28 and gaps[1] >= 0.58, gaps
     finally:
         await discovery.close()
 

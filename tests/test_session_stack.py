@@ -234,7 +234,10 @@ async def test_acks_ride_on_reply_audio_for_a_client_that_reads_them(stack: InPr
     seqs = [seq for _, seq in acks]
     assert seqs == sorted(seqs) and seqs[-1] == last  # in order, every append covered
     on_audio = [seq for kind, seq in acks if kind == "audio_delta"]
-    assert len(on_audio) >= 20, acks  # the reply's frames carried acks
+    deltas = sum(e.HasField("audio_delta") for e in conv.events)
+    # The reply's frames carried acks: most of them (a frame made while the input ran late,
+    # from the service's own silence, has no append to carry), never none.
+    assert deltas > 0 and len(on_audio) >= deltas / 2, (deltas, acks)
     standalone = [seq for kind, seq in acks if kind == "input_ack"]
     assert len(standalone) <= last - len(on_audio)  # an input_ack message fewer for each carried
     assert sample_sum("duplex_session_carried_acks_total") - carried_before >= len(on_audio)

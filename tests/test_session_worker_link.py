@@ -43,11 +43,14 @@ async def _send(coalesce_s: float, sids: tuple[str, ...], *, warm: tuple[str, ..
     link, call = _link(coalesce_s), _Recorder()
     sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
     try:
-        for _ in range(20):  # 200 ms of the warm sessions submitting (the link looks who does)
-            for sid in warm:
-                link.submit([worker_pb2.Submission(request_id=sid)])
+        # 50 ms of the warm sessions submitting (the link looks who does), well inside one
+        # 200 ms window: a warm-up as long as the window could end just after a look and leave
+        # the next one empty, a stall of a few ms deciding the test.
+        warming = []
+        for _ in range(5):
+            warming += [link.submit([worker_pb2.Submission(request_id=sid)]) for sid in warm]
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3 if coalesce_s else 0.01)  # every warm-up command written
+        await asyncio.wait_for(asyncio.gather(*warming), 2)  # every warm-up command written
         before = len(call.commands)
         written = []
         for sid in sids:

@@ -132,7 +132,10 @@ async def test_a_superseded_stream_does_not_lose_the_list() -> None:
 
 async def test_an_attach_nobody_uses_is_released_after_the_lease() -> None:
     released, leases = sample(RELEASED), sample(LEASES)
-    async with worker(attach_lease_s=0.3, orphan_grace_s=60) as (server, stub):
+    # Long enough that an attach and the stream opened after it always meet within the lease,
+    # on a loaded machine too (the lease is a timer on the same loop as the stream's callbacks).
+    lease = 2.0
+    async with worker(attach_lease_s=lease, orphan_grace_s=60) as (server, stub):
         # An owner with a Run stream is not affected, even if it never submits (a client may
         # open a session and say nothing for a while).
         live = RunClient(stub, "live")
@@ -167,7 +170,7 @@ async def test_an_attach_nobody_uses_is_released_after_the_lease() -> None:
         await ghost.until(consumed("g2", 1))
         ghost.close()
         await wait_until(lambda: "ghost" not in server.owners())
-        await asyncio.sleep(0.6)  # past g2's lease: claimed, so the orphan grace decides
+        await asyncio.sleep(lease + 0.3)  # past g2's lease: claimed, so the orphan grace decides
         assert server.fences.owner_of("g2") == "ghost"
         assert sample(LEASES) - leases == 1
         for run in (live, late):

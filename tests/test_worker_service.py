@@ -132,9 +132,11 @@ async def test_stale_epoch_is_rejected_and_its_work_never_runs() -> None:
         msgs = await run.until(lambda m: m.step == 0)
         assert error_codes(msgs, "r1") == ["stale_epoch"]
         assert msgs[-1].updates[0].fence.epoch == 2
-        # Queued work of an older epoch is dropped when a newer epoch arrives.
-        run.send(sub("r1", "s1", APPEND, epoch=3, seq=1, data=pcm(noise(300))))
+        # Queued work of an older epoch is dropped when a newer epoch arrives. One command, so
+        # the newer epoch is there before the engine could have run all 300 frames (two
+        # commands leave that to how soon the second one arrives).
         run.send(
+            sub("r1", "s1", APPEND, epoch=3, seq=1, data=pcm(noise(300))),
             sub("r1", "s1", APPEND, epoch=4, seq=1, data=pcm(noise(2))),
         )
         msgs = await run.until(lambda m: any(e.fence.epoch == 4 for e in m.batch))
@@ -362,7 +364,7 @@ async def test_orphaned_sessions_are_released_after_the_grace() -> None:
     streams = "duplex_worker_owner_streams"  # this worker is the only one in the process
     released = "duplex_worker_orphaned_sessions_released_total"
     released_before = sample(released)
-    async with worker(orphan_grace_s=0.5, max_sessions=3) as (_, stub):
+    async with worker(orphan_grace_s=2.0, max_sessions=3) as (_, stub):
         await attach(stub, "gone1", "crashed")
         await attach(stub, "gone2", "crashed")
         await attach(stub, "kept", "alive")
