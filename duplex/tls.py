@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,48 +65,33 @@ class ClientTLS:
 
 
 class WatchedFiles:
-    """The contents of a few files, re-read only when one of them changed.
+    """The contents of a few files, kept current by ``refresh``.
 
-    A change is a different (device, inode, size, mtime) of the file a path resolves to, so a
-    Secret's atomic symlink swap and an in-place rewrite are both seen. A file that cannot be read
-    (mid-rotation) keeps the last good contents and is retried at the next check."""
+    A change is a change of the bytes a path resolves to, so a Secret's atomic symlink swap and
+    an in-place rewrite are both seen: a stat is not enough, as a rewrite that keeps the size
+    within the file system's timestamp tick leaves it unchanged. The files are a few KB, read
+    before a handshake that costs far more. A file that cannot be read (mid-rotation) keeps the
+    last good contents and is retried at the next check."""
 
     def __init__(self, paths: Sequence[Path]) -> None:
         self.paths = tuple(paths)
-        self._stamp = self._stamps()
-        self.contents = self._read()
-
-    def _stamps(self) -> tuple[tuple[int, int, int, int], ...]:
-        out = []
-        for path in self.paths:
-            try:
-                st = os.stat(path)
-            except OSError as exc:
-                raise BadRequestError(
-                    ErrorCode.INVALID_CONFIG, f"cannot read {exc.filename}: {exc.strerror}"
-                ) from exc
-            out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(out)
-
-    def _read(self) -> tuple[bytes, ...]:
         try:
-            return tuple(path.read_bytes() for path in self.paths)
+            self.contents = self._read()
         except OSError as exc:
             raise BadRequestError(
                 ErrorCode.INVALID_CONFIG, f"cannot read {exc.filename}: {exc.strerror}"
             ) from exc
 
+    def _read(self) -> tuple[bytes, ...]:
+        return tuple(path.read_bytes() for path in self.paths)
+
     def refresh(self) -> bool:
-        """Re-read the files if they changed; True when ``contents`` changed."""
+        """Re-read the files; True when ``contents`` changed."""
         try:
-            stamp = self._stamps()
-            if stamp == self._stamp:
-                return False
             contents = self._read()
-        except (OSError, BadRequestError) as exc:
+        except OSError as exc:
             log.warning("TLS files %s not reloaded: %s", ", ".join(map(str, self.paths)), exc)
             return False
-        self._stamp = stamp
         if contents == self.contents:
             return False
         self.contents = contents
