@@ -105,12 +105,14 @@ async def _junk_until_refused(
 
 @pytest.mark.stack(service={"open_timeout_s": 1.0})
 async def test_refused_events_do_not_extend_the_open_deadline(stack) -> None:
-    # One refused event every 0.5 s, five of them, then an idle stream: each event used to
+    # One refused event every 0.7 s, five of them, then an idle stream: each event used to
     # restart the 1 s deadline (five refusals, then the end 1 s after the last); the stream's
-    # one deadline ends it after two or three (the third is sent as it falls due).
-    code, message, refused = await _junk_until_refused(stack.target, 0.5, 5, half_close=False)
+    # one deadline ends it after two. No write falls near the deadline (0.3 s before, 0.4 s
+    # after): a write in flight as the server ends the call can surface as INTERNAL on the
+    # client (grpc/grpc#36066; 0.5 s gaps put one on it, and CI saw it once).
+    code, message, refused = await _junk_until_refused(stack.target, 0.7, 5, half_close=False)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "in time" in message, message
-    assert refused <= 3
+    assert refused <= 3  # two, or three if the deadline fires late
 
 
 @pytest.mark.stack(service={"open_timeout_s": 30.0})
