@@ -81,6 +81,9 @@ class WatchedFiles:
             raise BadRequestError(
                 ErrorCode.INVALID_CONFIG, f"cannot read {exc.filename}: {exc.strerror}"
             ) from exc
+        self._problem: str | None = None
+        """The last problem logged: warned once, not at every handshake (which anyone who can
+        connect can cause)."""
 
     def _read(self) -> tuple[bytes, ...]:
         return tuple(path.read_bytes() for path in self.paths)
@@ -90,8 +93,11 @@ class WatchedFiles:
         try:
             contents = self._read()
         except OSError as exc:
-            log.warning("TLS files %s not reloaded: %s", ", ".join(map(str, self.paths)), exc)
+            if str(exc) != self._problem:
+                self._problem = str(exc)
+                log.warning("TLS files %s not reloaded: %s", ", ".join(map(str, self.paths)), exc)
             return False
+        self._problem = None
         if contents == self.contents:
             return False
         self.contents = contents

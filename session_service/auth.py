@@ -134,6 +134,7 @@ class ReloadingFile(Generic[_T]):
         try:
             data = self.path.read_bytes()
             if data == self._data:
+                self._recovered()
                 return
             value = self._parse(data)
         except OSError as exc:
@@ -151,6 +152,12 @@ class ReloadingFile(Generic[_T]):
             log.warning(
                 "%s %s not reloaded, the last good one stays in use: %s", self._what, self.path, problem
             )
+
+    def _recovered(self) -> None:
+        # Back as it was (a rotation that was undone): the same problem later is news again.
+        if self._problem is not None:
+            self._problem = None
+            log.info("%s %s readable again, unchanged", self._what, self.path)
 
 
 #: Longest principal accepted (a JWT ``sub`` is the issuer's to choose): a session's resume

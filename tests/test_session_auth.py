@@ -650,6 +650,23 @@ def test_a_revocation_in_place_is_seen_when_the_stat_is_unchanged(tmp_path: Path
     assert tokens.principal(ALICE_TOKEN) is None and tokens.principal(CAROL_TOKEN) == "carol"
 
 
+def test_a_file_gone_again_after_it_came_back_unchanged_is_warned_of_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write_tokens(tmp_path / "tokens", {ALICE_TOKEN: "alice"})
+    good = path.read_bytes()
+    tokens = TokenFile(path, check_interval_s=0)
+    caplog.set_level(logging.INFO, "session_service.auth")
+    for _ in range(2):  # a rotation undone, twice: each time it goes, it is warned of
+        path.unlink()
+        assert tokens.principal(ALICE_TOKEN) == "alice" and tokens.principal(ALICE_TOKEN) == "alice"
+        path.write_bytes(good)
+        assert tokens.principal(ALICE_TOKEN) == "alice"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("cannot read" in w for w in warnings), warnings
+    assert sum("readable again" in r.getMessage() for r in caplog.records) == 2
+
+
 def test_jwt_rules(jwks: Jwks) -> None:
     verifier = JwksVerifier(jwks.path, AUDIENCE, check_interval_s=0)
     assert verifier.principal(jwks.token(sub="bob")) == "bob"

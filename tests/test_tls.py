@@ -4,6 +4,7 @@ gRPC servers on loopback."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -191,10 +192,28 @@ def test_watched_files_see_a_rewrite_the_stat_does_not_show(tmp_path: Path) -> N
     os.utime(cert, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert os.stat(cert).st_mtime_ns == before.st_mtime_ns and os.stat(cert).st_ino == before.st_ino
     assert files.refresh() is True and files.contents == (b"B" * 100,)
-    # Gone mid-rotation: the last good contents stay; back again, unchanged: nothing to reload.
-    cert.unlink()
-    assert files.refresh() is False and files.contents == (b"B" * 100,)
-    cert.write_bytes(b"B" * 100)
-    assert files.refresh() is False
     with pytest.raises(BadRequestError):
         WatchedFiles([tmp_path / "missing.crt"])
+
+
+def test_watched_files_warn_once_per_problem_not_per_handshake(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cert = tmp_path / "tls.crt"
+    cert.write_bytes(b"B" * 100)
+    files = WatchedFiles([cert])
+    caplog.set_level(logging.INFO, "duplex.tls")
+
+    def warnings() -> int:
+        return sum(r.levelno == logging.WARNING for r in caplog.records)
+
+    # Gone mid-rotation: the last good contents stay, and one warning for any number of checks.
+    cert.unlink()
+    for _ in range(5):
+        assert files.refresh() is False and files.contents == (b"B" * 100,)
+    assert warnings() == 1
+    # Back unchanged: nothing to reload. Gone again later: that is news again.
+    cert.write_bytes(b"B" * 100)
+    assert files.refresh() is False
+    cert.unlink()
+    assert files.refresh() is False and warnings() == 2
