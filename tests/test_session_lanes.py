@@ -393,8 +393,8 @@ async def test_the_load_generator_holds_its_sessions_as_lanes(stack: InProcessSt
     assert result["reply_frames"] > 0 and result["answered"] > 0
     # Four sessions staggered over 32 ms, flushed every 16 ms: two sessions' events per message,
     # more when a flush is late and the next one's are due too (so a mean, not a count of twos:
-    # on a loaded machine late flushes are many).
-    assert len(sizes) > 30 and sum(sizes) / len(sizes) > 1.5, sizes[:20]
+    # on a loaded machine late flushes are many), and all four only if they were not staggered.
+    assert len(sizes) > 30 and 1.5 < sum(sizes) / len(sizes) < 3.5, sizes[:20]
     assert len(stack.session.manager) == 0  # the half-close closed every lane's session
 
 
