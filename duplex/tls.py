@@ -11,27 +11,23 @@ the certificates they were made with, as TLS does.
 from __future__ import annotations
 
 import ipaddress
-import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from duplex.errors import BadRequestError, ErrorCode
+from duplex.files import WatchedFiles
 
 __all__ = [
     "ChannelCredentials",
     "ClientTLS",
     "ServerTLS",
-    "WatchedFiles",
     "check_plaintext_listen",
     "is_loopback",
     "peer_identity",
     "server_credentials",
 ]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,51 +60,10 @@ class ClientTLS:
             )
 
 
-class WatchedFiles:
-    """The contents of a few files, kept current by ``refresh``.
-
-    A change is a change of the bytes a path resolves to, so a Secret's atomic symlink swap and
-    an in-place rewrite are both seen: a stat is not enough, as a rewrite that keeps the size
-    within the file system's timestamp tick leaves it unchanged. The files are a few KB, read
-    before a handshake that costs far more. A file that cannot be read (mid-rotation) keeps the
-    last good contents and is retried at the next check."""
-
-    def __init__(self, paths: Sequence[Path]) -> None:
-        self.paths = tuple(paths)
-        try:
-            self.contents = self._read()
-        except OSError as exc:
-            raise BadRequestError(
-                ErrorCode.INVALID_CONFIG, f"cannot read {exc.filename}: {exc.strerror}"
-            ) from exc
-        self._problem: str | None = None
-        """The last problem logged: warned once, not at every handshake (which anyone who can
-        connect can cause)."""
-
-    def _read(self) -> tuple[bytes, ...]:
-        return tuple(path.read_bytes() for path in self.paths)
-
-    def refresh(self) -> bool:
-        """Re-read the files; True when ``contents`` changed."""
-        try:
-            contents = self._read()
-        except OSError as exc:
-            if str(exc) != self._problem:
-                self._problem = str(exc)
-                log.warning("TLS files %s not reloaded: %s", ", ".join(map(str, self.paths)), exc)
-            return False
-        self._problem = None
-        if contents == self.contents:
-            return False
-        self.contents = contents
-        log.info("TLS files reloaded: %s", ", ".join(map(str, self.paths)))
-        return True
-
-
 def server_credentials(tls: ServerTLS) -> grpc.ServerCredentials:
     """Server credentials that pick up new certificate files at the next handshake."""
     paths = [tls.cert, tls.key] + ([tls.client_ca] if tls.client_ca is not None else [])
-    files = WatchedFiles(paths)
+    files = WatchedFiles(paths, what="server TLS files")
 
     def configuration() -> grpc.ServerCertificateConfiguration:
         cert, key, *ca = files.contents
@@ -135,7 +90,7 @@ class ChannelCredentials:
 
     def __init__(self, tls: ClientTLS) -> None:
         paths = [tls.ca] + ([tls.cert, tls.key] if tls.cert is not None and tls.key is not None else [])
-        self._files = WatchedFiles(paths)
+        self._files = WatchedFiles(paths, what="client TLS files")
         self._credentials = self._build()
 
     def _build(self) -> grpc.ChannelCredentials:

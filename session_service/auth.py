@@ -42,6 +42,7 @@ import grpc
 import jwt
 
 from duplex.errors import BadRequestError, ErrorCode, UnauthenticatedError, to_rpc_status
+from duplex.files import WatchedFiles
 from duplex.serving import split_host_port
 from duplex.tls import check_plaintext_listen, is_loopback, peer_identity
 from session_service.metrics import ERRORS_BY_CODE
@@ -89,10 +90,8 @@ def token_digest(token: str) -> str:
 
 class ReloadingFile(Generic[_T]):
     """A file's parsed contents, kept current: the file is read again at most every
-    ``check_interval_s`` (through symlinks, so a Kubernetes Secret's swap of ``..data`` is seen)
-    and parsed again when its bytes changed. Its bytes, not its stat: an edit in place that
-    keeps the size, within the file system's timestamp tick, leaves the stat as it was, and a
-    revoked token must not stay valid for that.
+    ``check_interval_s`` (``duplex.files.WatchedFiles``: its bytes, through symlinks) and parsed
+    again when they changed.
 
     At construction a file that cannot be read or parsed raises ``BadRequestError``
     (``invalid_config``: the service refuses to start). Later, such a file keeps the last good
@@ -107,21 +106,12 @@ class ReloadingFile(Generic[_T]):
         check_interval_s: float = RELOAD_CHECK_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.path = path
+        self._file = WatchedFiles([path], what=what)
         self._parse = parse
-        self._what = what
         self._interval = check_interval_s
         self._clock = clock
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise BadRequestError(
-                ErrorCode.INVALID_CONFIG, f"cannot read the {what} {path}: {exc.strerror or exc}"
-            ) from exc
-        self._value = parse(data)
-        self._data = data
+        self._value = parse(self._file.contents[0])
         self._checked = clock()
-        self._problem: str | None = None
 
     def get(self) -> _T:
         now = self._clock()
@@ -131,33 +121,12 @@ class ReloadingFile(Generic[_T]):
         return self._value
 
     def _refresh(self) -> None:
+        if not self._file.refresh():
+            return
         try:
-            data = self.path.read_bytes()
-            if data == self._data:
-                self._recovered()
-                return
-            value = self._parse(data)
-        except OSError as exc:
-            self._warn(f"cannot read it: {exc.strerror or exc}")
-            return
+            self._value = self._parse(self._file.contents[0])
         except BadRequestError as exc:
-            self._warn(exc.message)
-            return
-        self._data, self._value, self._problem = data, value, None
-        log.info("%s %s reloaded", self._what, self.path)
-
-    def _warn(self, problem: str) -> None:
-        if problem != self._problem:
-            self._problem = problem
-            log.warning(
-                "%s %s not reloaded, the last good one stays in use: %s", self._what, self.path, problem
-            )
-
-    def _recovered(self) -> None:
-        # Back as it was (a rotation that was undone): the same problem later is news again.
-        if self._problem is not None:
-            self._problem = None
-            log.info("%s %s readable again, unchanged", self._what, self.path)
+            self._file.warn(exc.message)
 
 
 #: Longest principal accepted (a JWT ``sub`` is the issuer's to choose): a session's resume

@@ -656,7 +656,7 @@ def test_a_file_gone_again_after_it_came_back_unchanged_is_warned_of_again(
     path = write_tokens(tmp_path / "tokens", {ALICE_TOKEN: "alice"})
     good = path.read_bytes()
     tokens = TokenFile(path, check_interval_s=0)
-    caplog.set_level(logging.INFO, "session_service.auth")
+    caplog.set_level(logging.INFO, "duplex.files")
     for _ in range(2):  # a rotation undone, twice: each time it goes, it is warned of
         path.unlink()
         assert tokens.principal(ALICE_TOKEN) == "alice" and tokens.principal(ALICE_TOKEN) == "alice"

@@ -4,8 +4,6 @@ gRPC servers on loopback."""
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +18,6 @@ from duplex.tls import (
     ChannelCredentials,
     ClientTLS,
     ServerTLS,
-    WatchedFiles,
     check_plaintext_listen,
     is_loopback,
     peer_identity,
@@ -178,42 +175,3 @@ def test_the_session_cli_refuses_unreadable_worker_tls_files_in_one_line(tmp_pat
     code = main(["--workers", "127.0.0.1:1", "--worker-tls-ca", str(tmp_path / "nowhere.crt")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "nowhere.crt" in err
-
-
-def test_watched_files_see_a_rewrite_the_stat_does_not_show(tmp_path: Path) -> None:
-    # A certificate replaced in place by one of the same size, its times as before (as within
-    # one timestamp tick of an older kernel): only the bytes changed.
-    cert = tmp_path / "tls.crt"
-    cert.write_bytes(b"A" * 100)
-    before = os.stat(cert)
-    files = WatchedFiles([cert])
-    assert files.refresh() is False and files.contents == (b"A" * 100,)
-    cert.write_bytes(b"B" * 100)
-    os.utime(cert, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert os.stat(cert).st_mtime_ns == before.st_mtime_ns and os.stat(cert).st_ino == before.st_ino
-    assert files.refresh() is True and files.contents == (b"B" * 100,)
-    with pytest.raises(BadRequestError):
-        WatchedFiles([tmp_path / "missing.crt"])
-
-
-def test_watched_files_warn_once_per_problem_not_per_handshake(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    cert = tmp_path / "tls.crt"
-    cert.write_bytes(b"B" * 100)
-    files = WatchedFiles([cert])
-    caplog.set_level(logging.INFO, "duplex.tls")
-
-    def warnings() -> int:
-        return sum(r.levelno == logging.WARNING for r in caplog.records)
-
-    # Gone mid-rotation: the last good contents stay, and one warning for any number of checks.
-    cert.unlink()
-    for _ in range(5):
-        assert files.refresh() is False and files.contents == (b"B" * 100,)
-    assert warnings() == 1
-    # Back unchanged: nothing to reload. Gone again later: that is news again.
-    cert.write_bytes(b"B" * 100)
-    assert files.refresh() is False
-    cert.unlink()
-    assert files.refresh() is False and warnings() == 2
