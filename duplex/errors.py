@@ -67,6 +67,8 @@ class ErrorCode(StrEnum):
     NOT_SESSION_OWNER = "not_session_owner"
     SESSION_CLOSED = "session_closed"
     CAPACITY_EXHAUSTED = "capacity_exhausted"
+    TOO_MANY_CALLS = "too_many_calls"
+    IDENTITY_NOT_ALLOWED = "identity_not_allowed"
     SLOW_CONSUMER = "slow_consumer"
     FENCED = "fenced"
     STALE_EPOCH = "stale_epoch"

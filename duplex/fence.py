@@ -12,10 +12,16 @@ from dataclasses import dataclass
 
 from duplex.v1 import common_pb2
 
-__all__ = ["MAX_EPOCH", "Fence"]
+__all__ = ["MAX_EPOCH", "MAX_REQUESTED_EPOCH", "Fence"]
 
 #: The highest epoch a fence can carry (``uint64`` on the wire): nothing may grant a higher one.
 MAX_EPOCH = 2**64 - 1
+
+#: The highest epoch a caller may ask a worker for (an Attach, a submission). What lies above,
+#: up to ``MAX_EPOCH``, only takeovers grant, one at a time: no caller can set a fence that a
+#: legitimate owner's takeover cannot pass (a session at 2**64-1 could never be taken over).
+#: Epochs advance by one per cancel or move; nothing legitimate comes near it.
+MAX_REQUESTED_EPOCH = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)

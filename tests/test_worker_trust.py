@@ -248,7 +248,9 @@ async def test_a_higher_epoch_without_takeover_changes_nothing(pki: Pki) -> None
 
 async def test_only_an_allowed_identity_can_take_a_session_over(pki: Pki) -> None:
     allowed = frozenset({"replica-a", "replica-b"})
-    async with mtls_worker(pki, takeover_identities=allowed) as (server, peers):
+    # "intruder" may own sessions of its own here, but not take anyone's over.
+    owners = allowed | {"intruder"}
+    async with mtls_worker(pki, takeover_identities=allowed, session_identities=owners) as (server, peers):
         victim_stub = peers.stub(pki.client("replica-a"))
         assert await attach(victim_stub, "s1", "replica-1") == 1
         victim = RunClient(victim_stub, "replica-1")
@@ -272,6 +274,53 @@ async def test_only_an_allowed_identity_can_take_a_session_over(pki: Pki) -> Non
         told = await victim.until(lambda m: bool(error_codes([m], "r1")))
         assert error_codes(told, "r1") == ["not_owner"]
         victim.close()
+
+
+async def test_only_the_session_tiers_identities_may_attach_run_or_release(pki: Pki) -> None:
+    """A CA signs many services: an identity not listed (``--takeover-identities``, the same list
+    unless ``--session-identities`` sets it apart) can neither attach (no tombstone, no fence at
+    the top epoch, no squatted capacity) nor open a Run stream (no Release)."""
+    async with mtls_worker(pki, takeover_identities=frozenset({"replica-a"}), max_sessions=2) as (
+        server,
+        peers,
+    ):
+        owner = peers.stub(pki.client("replica-a"))
+        assert await attach(owner, "s1", "replica-1") == 1
+        denied = fenced("identity_not_allowed")
+        stranger = peers.stub(pki.client("other-service"))
+        for sid, epoch, takeover in (
+            ("s1", 2**64 - 1, False),
+            ("s1", 5, True),
+            ("s2", 1, False),
+            ("s3", 1, False),
+        ):
+            err = await refused(attach(stranger, sid, "x", epoch=epoch, takeover=takeover))
+            assert (err.status, err.code) == (grpc.StatusCode.PERMISSION_DENIED, "identity_not_allowed")
+        run = RunClient(stranger, "x")
+        run.send(releases=(worker_pb2.Release(request_id="s1", fence=fence("s1", 1), closed=True),))
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await run.recv()
+        assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert fenced("identity_not_allowed") - denied == 5
+        # Nothing of it took hold: the session is its owner's, not closed, and capacity is free.
+        assert server.fences.owner_of("s1") == "replica-a/replica-1" and not server.fences.is_closed("s1")
+        assert server.fences.live_sessions == 1
+        assert await attach(owner, "s2", "replica-1") == 1
+
+
+async def test_an_epoch_above_what_a_takeover_can_pass_is_refused() -> None:
+    async with plain_worker() as (server, stub):
+        err = await refused(attach(stub, "s1", "a", epoch=2**63))
+        assert (err.status, err.code) == (grpc.StatusCode.INVALID_ARGUMENT, "invalid_event")
+        assert await attach(stub, "s1", "a", epoch=2**63 - 1) == 2**63 - 1
+        # The highest epoch a caller may ask for still leaves room to take the session over.
+        assert await attach(stub, "s1", "b", epoch=1, takeover=True) == 2**63
+        run = RunClient(stub, "b")
+        run.send(sub("r1", "s1", APPEND, seq=1, data=noise(1), epoch=2**64 - 1))
+        got = await run.until(lambda m: bool(error_codes([m], "r1")))
+        assert error_codes(got, "r1") == ["bad_submission"]
+        assert server.fences.current("s1") == (2**63, "b")
+        run.close()
 
 
 async def test_by_default_any_identity_of_the_client_ca_may_take_over(pki: Pki) -> None:

@@ -113,7 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--takeover-identities",
         default=None,
         metavar="ID[,ID...]",
-        help="certificate identities allowed to take sessions over (default: any the client CA signed)",
+        help="certificate identities allowed to take sessions over (default: those of "
+        "--session-identities; neither given: any the client CA signed)",
+    )
+    trust.add_argument(
+        "--session-identities",
+        default=None,
+        metavar="ID[,ID...]",
+        help="certificate identities allowed to own sessions at all (Attach, Run, Release): the session "
+        "tier's; any other is refused with PERMISSION_DENIED (default: those of --takeover-identities; "
+        "neither given: any the client CA signed)",
     )
     trust.add_argument(
         "--tombstone-ttl-s",
@@ -156,12 +165,12 @@ def _tls_from_args(args: argparse.Namespace) -> ServerTLS | None:
     return ServerTLS(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
 
 
-def _identities(value: str | None) -> frozenset[str] | None:
+def _identities(value: str | None, flag: str) -> frozenset[str] | None:
     if value is None:
         return None
     ids = frozenset(i.strip() for i in value.split(",") if i.strip())
     if not ids:
-        raise ValueError("--takeover-identities needs at least one identity")
+        raise ValueError(f"{flag} needs at least one identity")
     return ids
 
 
@@ -206,7 +215,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         tls=_tls_from_args(args),
         insecure=args.insecure,
         health_listen=args.health_listen,
-        takeover_identities=_identities(args.takeover_identities),
+        takeover_identities=_identities(args.takeover_identities, "--takeover-identities"),
+        session_identities=_identities(args.session_identities, "--session-identities"),
         tombstone_ttl_s=args.tombstone_ttl_s,
         max_closed_sessions=args.max_closed_sessions,
         event_loop=args.event_loop,

@@ -90,8 +90,13 @@ class WorkerConfig:
     """``HOST:PORT`` of a plaintext listener serving only ``grpc.health.v1`` (for probes that
     cannot speak TLS); "" = none."""
     takeover_identities: frozenset[str] | None = None
-    """Certificate identities allowed to take a session over from another owner (None: any
-    identity the client CA signed)."""
+    """Certificate identities allowed to take a session over from another owner (None: those of
+    ``session_identities``; both None: any identity the client CA signed)."""
+    session_identities: frozenset[str] | None = None
+    """Certificate identities allowed to own sessions at all (``Attach``, ``Run`` and with it
+    ``Release``): the session tier's. A CA signs many services; any other identity is refused
+    with PERMISSION_DENIED ``identity_not_allowed``. None: those of ``takeover_identities``;
+    both None: any identity the client CA signed."""
     tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
     """How long a session closed for good (``Release.closed``) stays refused (``session_closed``):
     the lifetime of a resume token."""
@@ -131,3 +136,15 @@ class WorkerConfig:
             raise ValueError(
                 "takeover identities need mutual TLS (a client CA): without it callers have none"
             )
+        if self.session_identities is not None and not self.mutual_tls:
+            raise ValueError("session identities need mutual TLS (a client CA): without it callers have none")
+
+    @property
+    def owner_identities(self) -> frozenset[str] | None:
+        """Who may own sessions here (None: any identity the client CA signed)."""
+        return self.session_identities if self.session_identities is not None else self.takeover_identities
+
+    @property
+    def takeover_allowed(self) -> frozenset[str] | None:
+        """Who may take a session over from another owner (None: any identity that may own)."""
+        return self.takeover_identities if self.takeover_identities is not None else self.owner_identities

@@ -18,8 +18,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from duplex.errors import CapacityError, ErrorCode, FencedError, NotFoundError, WorkerErrorCode
-from duplex.fence import MAX_EPOCH
+from duplex.errors import (
+    BadRequestError,
+    CapacityError,
+    ErrorCode,
+    FencedError,
+    NotFoundError,
+    WorkerErrorCode,
+)
+from duplex.fence import MAX_EPOCH, MAX_REQUESTED_EPOCH
 from worker_service.config import DEFAULT_MAX_CLOSED_SESSIONS, DEFAULT_TOMBSTONE_TTL_S
 from worker_service.metrics import FENCED, TOMBSTONES_EVICTED
 
@@ -90,6 +97,7 @@ class FenceTable:
 
         ``may_take_over``: whether the caller's identity may take a session from another owner
         (consulted only when the table authorizes)."""
+        _check_requested(epoch, ErrorCode.INVALID_EVENT)
         if self.is_closed(session_id):
             FENCED.labels(reason="session_closed").inc()
             raise NotFoundError(ErrorCode.SESSION_CLOSED, "the session was closed")
@@ -141,6 +149,7 @@ class FenceTable:
 
     def check(self, session_id: str, epoch: int, owner: str) -> Admission:
         """Admit work under ``(session_id, epoch)`` from ``owner`` or raise (counted)."""
+        _check_requested(epoch, WorkerErrorCode.BAD_SUBMISSION)
         cur = self._sessions.get(session_id)
         if cur is None or not cur.live:
             FENCED.labels(reason="unknown_session").inc()
@@ -173,6 +182,7 @@ class FenceTable:
         below the session's, may close it (raises otherwise, counted, like ``check``); a
         released session is closed too. Returns whether the session was live (its model state
         must be freed)."""
+        _check_requested(epoch, WorkerErrorCode.BAD_SUBMISSION)
         cur = self._sessions.get(session_id)
         if cur is None:
             FENCED.labels(reason="unknown_session").inc()
@@ -230,6 +240,13 @@ class FenceTable:
         """Whether output stepped under ``(session_id, epoch)`` may still go to ``owner``."""
         cur = self._sessions.get(session_id)
         return cur is not None and cur.owner == owner and epoch >= cur.epoch
+
+
+def _check_requested(epoch: int, code: str) -> None:
+    """Refuse (counted) an epoch above what a caller may ask for (``MAX_REQUESTED_EPOCH``)."""
+    if epoch > MAX_REQUESTED_EPOCH:
+        FENCED.labels(reason="epoch_out_of_range").inc()
+        raise BadRequestError(code, f"an epoch is at most {MAX_REQUESTED_EPOCH}")
 
 
 def _fenced(code: WorkerErrorCode, message: str) -> FencedError:

@@ -36,7 +36,9 @@ FENCED: Final = Counter(
     "Work refused or dropped by fencing, by reason (stale_epoch, not_owner, unknown_session, "
     "aborted: queued/running work dropped by a newer epoch, stale_output: stepped output stripped "
     "at delivery, takeover_denied: a takeover from an identity not allowed to take over, "
-    "session_closed: an Attach of a session closed for good).",
+    "session_closed: an Attach of a session closed for good, epoch_out_of_range: an epoch above "
+    "2^63-1 asked for, identity_not_allowed: an Attach or Run from an identity not allowed to own "
+    "sessions).",
     ["reason"],
 )
 SUBMISSIONS: Final = Counter("duplex_worker_submissions", "Submissions received, by kind.", ["kind"])
@@ -78,6 +80,8 @@ FENCE_REASONS: Final = (
     "stale_output",
     "takeover_denied",
     "session_closed",
+    "epoch_out_of_range",
+    "identity_not_allowed",
 )
 SUBMISSION_KINDS: Final = ("append", "commit", "respond", "clear", "unknown")
 

@@ -33,6 +33,7 @@ from duplex.errors import (
     CapacityError,
     DuplexError,
     ErrorCode,
+    PermissionDeniedError,
     UnauthenticatedError,
     UnavailableError,
     WorkerErrorCode,
@@ -76,6 +77,9 @@ _KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "
 
 #: Separates a certificate identity from the owner id scoped under it (``IDENTITY/owner``).
 OWNER_SEPARATOR = "/"
+
+#: Most refused identities logged by name (each once); the rest are only counted.
+MAX_REFUSED_IDENTITIES_LOGGED = 64
 
 #: Most sessions listed in one reconciliation StepOutput (a longer list is split): each entry is
 #: a fence of at most ~140 bytes, so one message stays far below the 16 MiB message limit.
@@ -136,6 +140,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         # Sessions attached and not yet claimed by a submission or abort: released when their
         # owner still has no Run stream once the lease is up (``attach_lease_s``).
         self._leases: dict[str, asyncio.TimerHandle] = {}
+        self._refused_identities: set[str] = set()
 
     @property
     def fences(self) -> FenceTable:
@@ -148,10 +153,23 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
         identity = peer_identity(context)
         if identity is None:  # mutual TLS verified a certificate that names nobody
             raise UnauthenticatedError(ErrorCode.UNAUTHENTICATED, "the client certificate names no identity")
+        allowed = self._config.owner_identities
+        if allowed is not None and identity not in allowed:
+            # A CA signs many services: only the session tier's identities create, own, release
+            # or take over sessions. Anyone else could otherwise tombstone, fence at the highest
+            # epoch or squat sessions a failover will need.
+            FENCED.labels(reason="identity_not_allowed").inc()
+            refused = self._refused_identities
+            if identity not in refused and len(refused) < MAX_REFUSED_IDENTITIES_LOGGED:
+                refused.add(identity)
+                logger.warning("identity %r may not own sessions here: refused (logged once)", identity)
+            raise PermissionDeniedError(
+                ErrorCode.IDENTITY_NOT_ALLOWED, "this identity may not own sessions on this worker"
+            )
         return owner_key(identity, owner), identity
 
     def _may_take_over(self, identity: str | None) -> bool:
-        allowed = self._config.takeover_identities
+        allowed = self._config.takeover_allowed
         return identity is None or allowed is None or identity in allowed
 
     def _serving_model(self) -> StepModel[Any]:
@@ -194,9 +212,10 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             self._serving_model()
             if not sid or not request.owner:
                 raise BadRequestError(ErrorCode.INVALID_EVENT, "Attach needs session_id and owner")
-            _check_id_length(sid, request.owner)
+            _check_id_length(sid, request.owner, request.request_id)
             owner, identity = self._owner(context, request.owner)
             previous = self._fences.owner_of(sid)
+            previous_request_id = self._request_ids.get(sid)
             admission, was_live = self._fences.attach(
                 sid,
                 request.epoch,
@@ -207,6 +226,9 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             if admission.bumped:
                 self._engine.submit([AbortOlder(sid, admission.epoch)])
             self._lease(sid, owner)
+            # Known from the Attach on: a session taken over before its first submission is
+            # announced to the owner it leaves all the same.
+            self._request_ids[sid] = request.request_id or sid
             if previous is not None and previous != owner:
                 logger.info(
                     "session %r taken over by owner %r from owner %r at epoch %d",
@@ -215,20 +237,18 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
                     previous,
                     admission.epoch,
                 )
-                self._tell_displaced(previous, sid, admission.epoch)
+                if previous_request_id is not None:
+                    self._tell_displaced(previous, previous_request_id, sid, admission.epoch)
         except DuplexError as err:
             if request.takeover and err.code == WorkerErrorCode.NOT_OWNER:
                 logger.warning("takeover of session %r by owner %r refused: %s", sid, owner, err.message)
             await abort(context, err)
         return worker_pb2.AttachResponse(epoch=admission.epoch, resumed=was_live)
 
-    def _tell_displaced(self, owner: str, session_id: str, epoch: int) -> None:
+    def _tell_displaced(self, owner: str, request_id: str, session_id: str, epoch: int) -> None:
         """The session was taken over: its old owner's queued work is gone and nothing more will
-        come of it, so say so now (it stops waiting, fails the session closed) rather than at
-        its next submission."""
-        request_id = self._request_ids.get(session_id)
-        if request_id is None:
-            return
+        come of it, so say so now (it stops waiting, ends the session there) rather than at its
+        next submission, which may never come."""
         fence = Fence(session_id, epoch, 0)
         msg = "the session was taken over by another owner"
         self._hub.send_updates(owner, [Update(request_id, fence, error=(WorkerErrorCode.NOT_OWNER, msg))])
