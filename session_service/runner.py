@@ -991,8 +991,11 @@ class SessionRunner:
             self._error(InternalError(ErrorCode.INTERNAL, "internal error"))
 
     def fenced(self) -> None:
-        self._error(BadEventError(ErrorCode.FENCED, "the session was taken over elsewhere"))
-        self._close("fenced")
+        """The session's worker says another owner took the session over (a resume on another
+        replica): this replica's stream is told ``closed{resumed_elsewhere}`` at once, as a
+        stream displaced on this replica is, and the runner ends. A resume here later takes the
+        session over again at the worker, where a session closed since is refused."""
+        self._close("resumed_elsewhere")
 
     def on_worker_lost(self, link: WorkerHandle) -> None:
         """The worker went away (or hung), and the session's model state with it.
@@ -1080,6 +1083,10 @@ class SessionRunner:
             # us; under mutual TLS a higher epoch alone would not move it.
             link, granted = await self._placer(self.session_id, self.epoch, True)
         except DuplexError as err:
+            if err.code == ErrorCode.SESSION_CLOSED:
+                # Taken over and closed for good by another replica while this one was cut off
+                # from the worker: closed here too (a resume here must not find it open).
+                self._close("resumed_elsewhere")
             raise UnavailableError(
                 ErrorCode.WORKER_UNAVAILABLE, f"no worker for the session: {err.message}"
             ) from err

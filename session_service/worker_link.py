@@ -308,7 +308,11 @@ class WorkerLink:
         try:
             resp = await self._stub.Attach(
                 worker_pb2.AttachRequest(
-                    session_id=session_id, epoch=epoch, owner=self.owner, takeover=takeover
+                    session_id=session_id,
+                    epoch=epoch,
+                    owner=self.owner,
+                    takeover=takeover,
+                    request_id=session_id,  # a runner's request id is its session's
                 ),
                 timeout=deadline_s,
             )

@@ -281,7 +281,8 @@ class WorkerOutput:
             DROPPED[DropReason.STALE_EPOCH].inc()
             return
         if code in (WorkerErrorCode.NOT_OWNER, WorkerErrorCode.STALE_EPOCH):
-            # Our current epoch was refused: another replica took the session over. Fail closed.
+            # Our current epoch was refused: another replica took the session over. Fail closed:
+            # the session ends here (closed{resumed_elsewhere}).
             DROPPED[DropReason.STALE_EPOCH].inc()
             s.fenced()
             return

@@ -100,13 +100,47 @@ async def test_a_resume_elsewhere_takes_the_session_over_on_its_worker_and_fence
         assert worker_of(b, sid) == W1
         assert w1.fences.owner_of(sid) == b.config.replica_id and w2.fences.current(sid) is None
         assert resume.decode(keys, taken.resume_token, session_id=sid).worker_id == W1
-        # A hears of it from the worker, without sending anything: fenced, closed.
-        err = await old.wait_kind("error", within=10)
-        assert err.error.code == "fenced"
-        assert (await old.wait_kind("closed")).closed.reason == "fenced"
+        # A hears of it from the worker, without sending anything: closed{resumed_elsewhere}.
+        assert (await old.wait_kind("closed", within=10)).closed.reason == "resumed_elsewhere"
         await talk(new)
         new.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
         await new.wait_kind("closed")
+
+
+@pytest.mark.parametrize("audio", [False, True], ids=["before_any_audio", "after_audio"])
+async def test_a_session_taken_over_and_closed_elsewhere_stays_closed_on_the_replica_it_left(
+    audio: bool,
+) -> None:
+    """Found by an attack on the secure deployment: a session opened on A *with no audio yet*
+    (so the worker had no request id of A's for it), taken over and closed on B, answered
+    ``opened`` to a resume on A, and A's stream heard nothing of the takeover. The worker now
+    knows the request id from the Attach: A's stream is told closed{resumed_elsewhere} at once,
+    and a resume on A is refused with session_closed, whether or not audio was sent."""
+    keys = resume.ResumeKeys.single(os.urandom(32))
+    async with (
+        worker_server(worker_id=W1) as w1,
+        session_server([w1.address], resume_keys=keys) as a,
+        session_server([w1.address], resume_keys=keys) as b,
+        grpc.aio.insecure_channel(a.address) as ch_a,
+        grpc.aio.insecure_channel(b.address) as ch_b,
+    ):
+        old = Conversation(ch_a).start(open_event())
+        opened = (await old.wait_kind("opened")).opened
+        sid = opened.session_id
+        if audio:
+            await talk(old)
+        new = Conversation(ch_b).start(resume_event(sid, opened.resume_token))
+        await new.wait_kind("opened")
+        assert (await old.wait_kind("closed", within=5)).closed.reason == "resumed_elsewhere"
+        await old.wait_done()
+        assert a.registry.get(sid) is None
+        new.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        assert (await new.wait_kind("closed")).closed.reason == "client_close"
+        await new.wait_done()
+        again = Conversation(ch_a).start(resume_event(sid, opened.resume_token))
+        await again.wait_done()
+        assert again.status == grpc.StatusCode.NOT_FOUND and again.error is not None
+        assert again.of("opened") == []
 
 
 async def test_a_resume_that_must_move_the_session_evicts_it_from_its_old_worker_once_reachable() -> None:
@@ -147,8 +181,7 @@ async def test_a_resume_that_must_move_the_session_evicts_it_from_its_old_worker
         assert evictions("evicted") - evicted == 1 and b.evictor.pending.keys() == []
         assert w1.fences.live_sessions == 0
         await wait_until(lambda: w1.engine.active_requests == 0)  # its model state is freed too
-        assert (await old.wait_kind("closed", within=10)).closed.reason == "fenced"
-        assert "fenced" in [e.error.code for e in old.of("error")]
+        assert (await old.wait_kind("closed", within=10)).closed.reason == "resumed_elsewhere"
         # B's session goes on where it is, untouched by the eviction.
         await talk(new)
         assert worker_of(b, sid) == W2 and w2.fences.owner_of(sid) == b.config.replica_id

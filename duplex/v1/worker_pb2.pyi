@@ -158,6 +158,7 @@ class AttachRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     TAKEOVER_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     epoch: _builtins.int
@@ -170,6 +171,13 @@ class AttachRequest(_message.Message):
     takeover: _builtins.bool
     """Take the session over from another owner: the worker grants
     max(epoch, highest accepted + 1), fencing the previous owner out.
+    The epoch asked for is at most 2^63-1 (INVALID_ARGUMENT above it):
+    what lies above is for takeovers to advance into.
+    """
+    request_id: _builtins.str
+    """The request id the owner's submissions of this session will carry. A
+    session taken over before its first submission is announced to its old
+    owner under it (an update with error "not_owner"); empty: the session id.
     """
     def __init__(
         self,
@@ -178,10 +186,11 @@ class AttachRequest(_message.Message):
         epoch: _builtins.int = ...,
         owner: _builtins.str = ...,
         takeover: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "owner", b"owner", "session_id", b"session_id", "takeover", b"takeover"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "owner", b"owner", "request_id", b"request_id", "session_id", b"session_id", "takeover", b"takeover"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
