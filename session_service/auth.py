@@ -15,9 +15,10 @@ principal, even over mutual TLS; without one, the certificate does. The files ar
 they change (checked at most once a second); a file that cannot be read or parsed mid-rotation
 keeps the last good contents.
 
-``Authenticator.interceptor()`` refuses an unauthenticated call with ``UNAUTHENTICATED`` /
-``unauthenticated`` before any handler runs (the health service stays open);
-``Authenticator.principal_of`` is what the servicer asks for the principal.
+``Authenticator.admit`` is what ``session_service.admission.AdmissionInterceptor`` asks before
+any handler runs (an unauthenticated call is refused with ``UNAUTHENTICATED`` /
+``unauthenticated``; the health service stays open); ``Authenticator.principal_of`` is what the
+servicer asks for the principal.
 
 Without authentication configured (local development on loopback) every caller is
 ``ANONYMOUS``.
@@ -25,15 +26,13 @@ Without authentication configured (local development on loopback) every caller i
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
@@ -41,11 +40,10 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 import grpc
 import jwt
 
-from duplex.errors import BadRequestError, ErrorCode, UnauthenticatedError, to_rpc_status
+from duplex.errors import BadRequestError, ErrorCode, UnauthenticatedError
 from duplex.files import WatchedFiles
 from duplex.serving import split_host_port
 from duplex.tls import check_plaintext_listen, is_loopback, peer_identity
-from session_service.metrics import ERRORS_BY_CODE
 
 if TYPE_CHECKING:
     from session_service.config import ServiceConfig
@@ -443,81 +441,6 @@ class Authenticator:
                 ErrorCode.UNAUTHENTICATED, "the client certificate names no identity (no SAN or CN)"
             )
         raise UnauthenticatedError(ErrorCode.UNAUTHENTICATED, _NO_CREDENTIALS)
-
-    def interceptor(self) -> AuthInterceptor:
-        return AuthInterceptor(self)
-
-
-_HandlerFactory = Callable[..., "grpc.RpcMethodHandler[Any, Any]"]
-
-_FACTORIES: Final[dict[tuple[bool, bool], _HandlerFactory]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-#: How long a refused streaming call may take to send its first message before the refusal.
-FIRST_MESSAGE_WAIT_S: Final = 1.0
-
-
-def refusing_handler(
-    err: UnauthenticatedError, like: grpc.RpcMethodHandler[Any, Any] | None
-) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler of the same kind as ``like`` (a bidi stream for an unknown method) that ends
-    the call with ``err``'s rich status and does nothing else.
-
-    A streaming call's first message is awaited (up to ``FIRST_MESSAGE_WAIT_S``) and dropped
-    before the refusal: a client that writes and then reads, as the first event of
-    ``Converse`` is written, would otherwise race the status with its write, and a grpc.aio
-    client whose write fails because the call has just ended reports ``INTERNAL: Internal
-    error from Core`` instead of the status it was sent (grpc/grpc#36066)."""
-    status = to_rpc_status(err)
-
-    async def refuse(_request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort_with_status(status)
-
-    async def refuse_stream(
-        requests: AsyncIterable[object], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
-        with contextlib.suppress(Exception):  # none, late, malformed or cut: refused all the same
-            async with asyncio.timeout(FIRST_MESSAGE_WAIT_S):
-                await anext(aiter(requests))
-        await context.abort_with_status(status)
-
-    if like is None:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream)
-    factory = _FACTORIES[(like.request_streaming, like.response_streaming)]
-    return factory(
-        refuse_stream if like.request_streaming else refuse,
-        request_deserializer=like.request_deserializer,
-        response_serializer=like.response_serializer,
-    )
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without valid credentials (``UNAUTHENTICATED`` / ``unauthenticated``)
-    before its handler runs, so no session state is made for it; the health service stays
-    open. Unknown methods are refused the same way (an unauthenticated caller learns nothing
-    about what exists)."""
-
-    def __init__(self, authenticator: Authenticator) -> None:
-        self._auth = authenticator
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
-            return await continuation(handler_call_details)
-        try:
-            self._auth.admit(handler_call_details.invocation_metadata)
-        except UnauthenticatedError as err:
-            ERRORS_BY_CODE[err.code].inc()
-            return refusing_handler(err, await continuation(handler_call_details))
-        return await continuation(handler_call_details)
 
 
 def authenticator_for(config: ServiceConfig, *, warn: bool = True) -> Authenticator:

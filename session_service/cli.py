@@ -65,7 +65,23 @@ def _parser() -> argparse.ArgumentParser:
         "--max-concurrent-rpcs",
         type=int,
         default=0,
-        help="calls in progress at once, unopened streams included (0 = 2 x --max-sessions + 64)",
+        help="authenticated calls in progress at once, unopened streams included; beyond it a call is "
+        "refused with RESOURCE_EXHAUSTED too_many_calls (0 = 2 x --max-sessions + 64)",
+    )
+    p.add_argument(
+        "--open-timeout-s",
+        type=float,
+        default=ServiceConfig(plugin="", workers=()).open_timeout_s,
+        help="how long a new call may take to send its open or resume; until then it holds a call "
+        "slot of its caller (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-calls-per-principal",
+        type=int,
+        default=0,
+        help="calls one caller may have in progress at once, opened or not (0 = 2 x "
+        "--max-sessions-per-principal + 16 when that is set, else --max-sessions + 16; always below "
+        "--max-concurrent-rpcs)",
     )
     p.add_argument(
         "--max-streams-per-connection",
@@ -247,14 +263,17 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         raise SystemExit("duplex session: --worker-write-coalesce-ms must be within 0..50")
     if args.max_sessions < 1 or args.idle_timeout_s <= 0:
         raise SystemExit("duplex session: --max-sessions and --idle-timeout-s must be positive")
-    if min(args.max_concurrent_rpcs, args.max_streams_per_connection) < 0:
+    if min(args.max_concurrent_rpcs, args.max_streams_per_connection, args.max_calls_per_principal) < 0:
         raise SystemExit(
-            "duplex session: --max-concurrent-rpcs and --max-streams-per-connection must not be negative"
+            "duplex session: --max-concurrent-rpcs, --max-calls-per-principal and "
+            "--max-streams-per-connection must not be negative"
         )
     if args.max_session_buffer_bytes < 64 * 1024:
         raise SystemExit("duplex session: --max-session-buffer-bytes must be at least 65536")
     if args.detached_grace_s < 0:
         raise SystemExit("duplex session: --detached-grace-s must not be negative")
+    if args.open_timeout_s <= 0:
+        raise SystemExit("duplex session: --open-timeout-s must be positive")
     if args.max_sessions_per_principal < 0:
         raise SystemExit("duplex session: --max-sessions-per-principal must not be negative")
     try:
@@ -273,6 +292,8 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
         max_sessions=args.max_sessions,
         max_sessions_per_principal=args.max_sessions_per_principal,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_calls_per_principal=args.max_calls_per_principal,
+        open_timeout_s=args.open_timeout_s,
         max_streams_per_connection=args.max_streams_per_connection,
         # From the environment only (DUPLEX_RESUME_SECRETS): a secret in argv is in every
         # process listing.

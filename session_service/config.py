@@ -108,8 +108,9 @@ class ServiceConfig:
     """This replica's owner id towards the workers (unique per process)."""
     drain_grace_s: float = 10.0
     """On SIGTERM, how long in-flight responses may run before sessions are closed."""
-    open_timeout_s: float = 30.0
-    """How long a new stream may take to send its open (or resume)."""
+    open_timeout_s: float = 5.0
+    """How long a new stream may take to send its open (or resume): an unopened call holds a
+    call slot of its caller (``max_calls_per_principal``) for at most this long."""
     attach_timeout_s: float = 5.0
     """Deadline of a worker Attach call."""
     worker_backoff_max_s: float = 5.0
@@ -155,9 +156,16 @@ class ServiceConfig:
     """Most sessions one principal holds on this replica (RESOURCE_EXHAUSTED beyond; 0 = only
     ``max_sessions``)."""
     max_concurrent_rpcs: int = 0
-    """Calls in progress at once (streams that have not opened yet count too); beyond it a new
-    call is refused with RESOURCE_EXHAUSTED before any handler runs. 0: twice ``max_sessions``
-    plus 64 (resumes overlapping the streams they replace, health checks)."""
+    """Authenticated calls in progress at once (streams that have not opened yet count too);
+    beyond it a new call is refused with RESOURCE_EXHAUSTED ``too_many_calls`` before its
+    handler runs (``session_service.admission``). 0: twice ``max_sessions`` plus 64 (resumes
+    overlapping the streams they replace)."""
+    max_calls_per_principal: int = 0
+    """Calls one principal may have in progress at once, opened or not (RESOURCE_EXHAUSTED
+    ``too_many_calls`` beyond): one caller's idle calls cannot take the slots of another's
+    opens. 0: twice ``max_sessions_per_principal`` plus 16 when that is set, else
+    ``max_sessions`` plus 16; always below ``max_concurrent_rpcs``. Without authentication every
+    caller is one and the same: only ``max_concurrent_rpcs`` applies."""
     max_streams_per_connection: int = 0
     """HTTP/2 streams one client connection may hold open (``grpc.max_concurrent_streams``).
     0: ``max_sessions`` plus 16, so one backend multiplexing all its calls on one connection
@@ -175,6 +183,16 @@ class ServiceConfig:
     def concurrent_rpcs(self) -> int:
         """``max_concurrent_rpcs`` with its default applied."""
         return self.max_concurrent_rpcs or 2 * self.max_sessions + 64
+
+    @property
+    def calls_per_principal(self) -> int:
+        """``max_calls_per_principal`` with its default applied."""
+        if self.max_calls_per_principal:
+            return self.max_calls_per_principal
+        per = self.max_sessions + 16
+        if self.max_sessions_per_principal:
+            per = 2 * self.max_sessions_per_principal + 16
+        return max(1, min(per, self.concurrent_rpcs - 1))
 
     @property
     def streams_per_connection(self) -> int:

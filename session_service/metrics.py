@@ -11,6 +11,11 @@ ACTIVE_SESSIONS: Final = Gauge("duplex_session_active_sessions", "Sessions held 
 STREAMS: Final = Gauge(
     "duplex_session_streams", "Client calls (Converse and ConverseMany) in progress on this replica."
 )
+CALLS: Final = Gauge(
+    "duplex_session_calls",
+    "Authenticated calls in progress on this replica, opened or not (counted against "
+    "--max-concurrent-rpcs and, per caller, --max-calls-per-principal).",
+)
 LANES: Final = Gauge(
     "duplex_session_lanes", "Lanes of ConverseMany streams on this replica (open, or opening)."
 )

@@ -31,6 +31,7 @@ from duplex.serving import (
 )
 from duplex.tls import ChannelCredentials, server_credentials
 from duplex.v1 import session_pb2_grpc
+from session_service.admission import AdmissionInterceptor, CallLedger, CallLimits
 from session_service.auth import authenticator_for
 from session_service.config import ServiceConfig
 from session_service.discovery import DnsTarget, WorkerDiscovery, parse_workers
@@ -59,6 +60,9 @@ class SessionServer:
         # Who may call: loads the token and JWKS files, and refuses an unauthenticated API on
         # anything but loopback (without --insecure) before anything is made.
         self.auth = authenticator_for(config)
+        self.calls = CallLedger(
+            CallLimits(max_calls=config.concurrent_rpcs, max_calls_per_principal=config.calls_per_principal)
+        )
         self.registry = SessionRegistry()
         self.router = Router(self.registry)
         # The workers: a static list, or a DNS name whose answers add and remove links.
@@ -145,16 +149,16 @@ class SessionServer:
         # config; anything bigger is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
         # Authentication is one interceptor in front of every service but health: a call
         # without valid credentials is refused before its handler runs (no session state).
-        # Calls and streams are bounded explicitly: beyond them gRPC refuses a call before any
-        # handler runs (RESOURCE_EXHAUSTED), so a flood of streams that never open cannot hold
-        # the replica; see ServiceConfig.max_concurrent_rpcs / max_streams_per_connection.
+        # Calls are counted where they cost (session_service.admission): per principal, in all,
+        # and refused ones per peer address, each refused with too_many_calls beyond its bound
+        # (not gRPC's own maximum_concurrent_rpcs, which counts every caller alike and refuses
+        # with a bare status). Streams per connection are bounded by gRPC.
         server = self._server = grpc.aio.server(
             options=[
                 *server_options(max_receive_bytes=self.plugin.max_append_bytes + 64 * 1024),
                 ("grpc.max_concurrent_streams", self.config.streams_per_connection),
             ],
-            interceptors=[self.auth.interceptor()] if self.auth.enabled else None,
-            maximum_concurrent_rpcs=self.config.concurrent_rpcs,
+            interceptors=[AdmissionInterceptor(self.auth, self.calls)],
         )
         servicer = DuplexSessionServicer(
             self.manager, open_timeout_s=self.config.open_timeout_s, principal_of=self.auth.principal_of
