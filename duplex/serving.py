@@ -14,9 +14,11 @@ from typing import Any, Final, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+from duplex.errors import CapacityError, ErrorCode, abort
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -59,13 +61,142 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 #: worker, none of which a restart would fix.
 LIVENESS_SERVICE: Final = "duplex.v1.Liveness"
 
+#: ``Health/Watch`` streams in progress at once from one client address (its port aside), and in
+#: all (both ports of a process together). Beyond either a Watch is refused with
+#: RESOURCE_EXHAUSTED ``too_many_calls``. Probes use ``Check``, which is not bounded here.
+WATCHES_PER_PEER: Final = 16
+MAX_WATCHES: Final = 256
+
+#: The largest request the health-only listener reads: a ``HealthCheckRequest`` is a service name.
+HEALTH_MAX_RECEIVE_BYTES: Final = 4096
+
+_SERVICE_UNKNOWN: Final = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+# The stubs (types-grpcio-health-checking) do not declare the List messages.
+_health_pb2_untyped: Any = health_pb2
+_HealthContext = grpc.aio.ServicerContext[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]
+
+
+#: The longest service name a health Watch is kept for (longer ones name no service here).
+MAX_SERVICE_NAME_CHARS: Final = 256
+
+
+def peer_host(peer: str) -> str:
+    """A call's ``context.peer()`` without its port: ``ipv4:127.0.0.1:5555`` -> ``ipv4:127.0.0.1``,
+    ``ipv6:[::1]:5555`` -> ``ipv6:[::1]``; anything else (a Unix socket) as it is."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host, sep, port = peer.rpartition(":")
+        if sep and port.isdigit() and host not in ("ipv4", "ipv6"):
+            return host
+    return peer
+
+
+class _HealthServicer(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1.Health``: Check, Watch and List, with Watch streams bounded.
+
+    Replaces grpcio-health-checking's asyncio servicer, which has no ``List`` (the generated
+    base's synchronous stub raises NotImplementedError, logged with a traceback per call) and
+    does not bound Watch. A Watch holds no state of its own but its count (per peer address and
+    in all), given back when its handler ends, however it ends (the client's cancel or a broken
+    connection cancels it); all Watches wait on one event that every status change replaces."""
+
+    def __init__(self, watches_per_peer: int, max_watches: int) -> None:
+        self._status: dict[str, int] = {"": SERVING}
+        self._changed = asyncio.Event()
+        self._shutting_down = False
+        self.watches_per_peer = watches_per_peer
+        self.max_watches = max_watches
+        self.watching = 0
+        """Watch streams in progress."""
+        self.watching_by_peer: dict[str, int] = {}
+        """The same, per peer address (``peer_host``); an address without any has no entry."""
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: _HealthContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def List(self, request: Any, context: _HealthContext) -> Any:
+        """The status of every service this process knows."""
+        response = _health_pb2_untyped.HealthListResponse()
+        for name, status in self._status.items():
+            response.statuses[name].status = status
+        return response
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: _HealthContext) -> None:
+        if len(request.service) > MAX_SERVICE_NAME_CHARS:
+            # No service has such a name, and a Watch would hold the name for as long as it runs.
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        peer = peer_host(context.peer() or "")
+        if self.watching >= self.max_watches:
+            await abort(
+                context,
+                CapacityError(ErrorCode.TOO_MANY_CALLS, f"at most {self.max_watches} health watches at once"),
+            )
+        if self.watching_by_peer.get(peer, 0) >= self.watches_per_peer:
+            await abort(
+                context,
+                CapacityError(
+                    ErrorCode.TOO_MANY_CALLS,
+                    f"at most {self.watches_per_peer} health watches at once per client address",
+                ),
+            )
+        self.watching += 1
+        self.watching_by_peer[peer] = self.watching_by_peer.get(peer, 0) + 1
+        try:
+            last: int | None = None
+            while True:
+                changed = self._changed  # taken first: a change during the write is not missed
+                status = self._status.get(request.service, _SERVICE_UNKNOWN)
+                if status != last:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                await changed.wait()
+        finally:
+            self.watching -= 1
+            left = self.watching_by_peer[peer] - 1
+            if left:
+                self.watching_by_peer[peer] = left
+            else:
+                del self.watching_by_peer[peer]
+
+    def set(self, service: str, status: int) -> None:
+        """Set a service's status and wake the Watches (ignored once shutting down)."""
+        if not self._shutting_down:
+            self._set(service, status)
+
+    def enter_graceful_shutdown(self) -> None:
+        """Every status NOT_SERVING for good: later ``set`` calls are ignored."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        for service in self._status:
+            self._set(service, NOT_SERVING)
+
+    def _set(self, service: str, status: int) -> None:
+        self._status[service] = status
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
 
 class Health:
     """The ``grpc.health.v1`` servicer of one server, with the overall ("") status kept in step,
-    and the liveness status (``LIVENESS_SERVICE``) kept apart from both."""
+    and the liveness status (``LIVENESS_SERVICE``) kept apart from both.
 
-    def __init__(self, server: grpc.aio.Server, service_names: Iterable[str]) -> None:
-        self._servicer = health.aio.HealthServicer()
+    ``List`` answers every known status; Watch streams are bounded (``WATCHES_PER_PEER``,
+    ``MAX_WATCHES``, shared by the API port and the health-only one)."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        service_names: Iterable[str],
+        *,
+        watches_per_peer: int = WATCHES_PER_PEER,
+        max_watches: int = MAX_WATCHES,
+    ) -> None:
+        self._servicer = _HealthServicer(watches_per_peer, max_watches)
         self._names = ["", *service_names]
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
         self.serving = False
@@ -76,26 +207,28 @@ class Health:
         self.serving = serving
         status = SERVING if serving else NOT_SERVING
         for name in self._names:
-            await self._servicer.set(name, status)
+            self._servicer.set(name, status)
 
     async def set_alive(self, alive: bool) -> None:
         """The liveness status: True once the process serves; False only when it is broken or
         stopping (a liveness probe that fails restarts the container)."""
         self.alive = alive
-        await self._servicer.set(LIVENESS_SERVICE, SERVING if alive else NOT_SERVING)
+        self._servicer.set(LIVENESS_SERVICE, SERVING if alive else NOT_SERVING)
 
     async def shutdown(self) -> None:
         self.serving = False
         self.alive = False
-        await self._servicer.enter_graceful_shutdown()
+        self._servicer.enter_graceful_shutdown()
 
     async def serve_plaintext(self, listen: str) -> tuple[grpc.aio.Server, int]:
         """A second, plaintext listener that serves this health service and nothing else.
 
         For Kubernetes gRPC probes, which cannot speak TLS: when the API port requires (mutual)
         TLS, the probes point here. It answers SERVING / NOT_SERVING and exposes nothing else.
-        Returns the server (stop it with the main one) and its port."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        Its connections get the keepalive of ``SERVER_OPTIONS`` (a Watch whose client vanished
+        without closing its connection ends within a minute), and a request is at most
+        ``HEALTH_MAX_RECEIVE_BYTES``. Returns the server (stop it with the main one) and its port."""
+        server = grpc.aio.server(options=server_options(max_receive_bytes=HEALTH_MAX_RECEIVE_BYTES))
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
         port = bind(server, listen)
         await server.start()
