@@ -220,7 +220,7 @@ class Fuzz:
             return ""  # our own cancel
         if not has_error_info(exc):
             # Only gRPC's own limits refuse without a duplex code: a message past the size
-            # limit, calls past --max-concurrent-rpcs (RESOURCE_EXHAUSTED, documented).
+            # limit (RESOURCE_EXHAUSTED, documented).
             self.seen[f"{where} {code.name} (gRPC, no ErrorInfo)"] += 1
             if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.problem(

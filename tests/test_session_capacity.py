@@ -245,7 +245,9 @@ async def test_calls_beyond_the_bound_are_refused_before_any_handler(stack) -> N
         await extra.write(open_event())
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await extra.read()
+        # A stable code in the ErrorInfo, not gRPC's bare "Concurrent RPC limit exceeded!".
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert from_rpc_error(err.value).code == "too_many_calls"
         for call in held:
             call.cancel()
     assert dataclasses.replace(stack.session.config, max_concurrent_rpcs=0).concurrent_rpcs == 2 * 256 + 64
