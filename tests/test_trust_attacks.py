@@ -10,6 +10,7 @@ conversation beside the attacker, and the victim's outcome checked.
    another caller's open.
 3. A session taken over and closed on another replica stays closed on the replica it left,
    whether or not audio was sent there, and that replica's stream hears of the takeover at once.
+4. The open health port: ``List`` answers cleanly, ``Watch`` streams are bounded per address.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duplex.audio import PCM16K_MONO
 from duplex.errors import DuplexError, from_rpc_error
+from duplex.serving import WATCHES_PER_PEER
 from duplex.v1 import common_pb2, session_pb2, session_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.secure_stack import SecureStack, secure_stack
 from tests.session_helpers import Conversation, open_event, speech, utterance_pcm
@@ -218,3 +221,28 @@ async def test_a_session_closed_elsewhere_stays_closed_on_the_replica_it_left(
             await again.wait_done()
             assert again.status == grpc.StatusCode.NOT_FOUND, (again.status, again.error, again.kinds())
             assert again.error is not None and again.error.code == "session_closed"
+
+
+async def test_health_list_answers_and_watch_streams_are_bounded_on_both_tiers(tmp_path: Path) -> None:
+    """``List`` answered an error with a 12-line traceback per call; 2,000 ``Watch`` streams
+    were all taken (and their memory kept by the allocator after they ended)."""
+    with secure_stack(tmp_path, workers=1) as stack:
+        for proc in (stack.replicas[0], stack.workers[0]):
+            async with grpc.aio.insecure_channel(proc.health) as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                for _ in range(3):
+                    listed = await stub.List(health_pb2.HealthListRequest(), timeout=5)
+                    assert listed.statuses[""].status == health_pb2.HealthCheckResponse.SERVING
+                watches = [stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(40)]
+                try:
+                    outcomes = await asyncio.gather(*(w.read() for w in watches), return_exceptions=True)
+                    served = [o for o in outcomes if isinstance(o, health_pb2.HealthCheckResponse)]
+                    refused = [from_rpc_error(o) for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+                    assert len(served) == WATCHES_PER_PEER, outcomes
+                    assert {(e.status, e.code) for e in refused} == {
+                        (grpc.StatusCode.RESOURCE_EXHAUSTED, "too_many_calls")
+                    }
+                finally:
+                    for w in watches:
+                        w.cancel()
+            assert "Traceback" not in proc.log_text(), proc.name
