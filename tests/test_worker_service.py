@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from duplex.errors import from_rpc_error
+from duplex.fence import MAX_REQUESTED_EPOCH
 from duplex.v1 import worker_pb2, worker_pb2_grpc
 from tests.session_helpers import sample
 from tests.worker_helpers import (
@@ -242,15 +243,25 @@ async def test_a_takeover_of_a_session_at_the_highest_epoch_is_stale_not_an_over
     and the session's fence held an epoch no submission could name."""
     top = 2**64 - 1
     async with worker() as (server, stub):
-        assert await attach(stub, "s1", "old", epoch=top) == top
+        # No caller may ask for the top (nor anything above 2^63-1) any more: issue 26.
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await attach(stub, "s1", "new", epoch=top, takeover=True)
+            await attach(stub, "s1", "old", epoch=top)
+        assert (err.value.code(), from_rpc_error(err.value).code) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_event",
+        )
+        # Only 2^63 takeovers could bring a session to the top; should one get there, a
+        # takeover is stale, never an overflow.
+        assert await attach(stub, "s1", "old", epoch=MAX_REQUESTED_EPOCH) == MAX_REQUESTED_EPOCH
+        server.fences._sessions["s1"].epoch = top  # the state 2^63 takeovers would leave
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await attach(stub, "s1", "new", epoch=1, takeover=True)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert from_rpc_error(err.value).code == "stale_epoch"
         assert server.fences.current("s1") == (top, "old")
         # Below the top a takeover still gets the next epoch.
-        assert await attach(stub, "s2", "old", epoch=top - 1) == top - 1
-        assert await attach(stub, "s2", "new", epoch=1, takeover=True) == top
+        server.fences._sessions["s1"].epoch = top - 1
+        assert await attach(stub, "s1", "new", epoch=1, takeover=True) == top
 
 
 async def test_a_run_stream_dropped_while_the_worker_waits_to_write_leaves_no_traceback(
