@@ -13,7 +13,7 @@ import logging
 from collections import deque
 
 from duplex.errors import CapacityError, DuplexError, ErrorCode, FencedError, WorkerErrorCode
-from worker_service.engine import OwnerStep, Update
+from worker_service.engine_types import OwnerStep, Update
 from worker_service.metrics import OWNER_CUTOFFS, OWNER_STREAMS, QUEUE_DEPTH
 
 logger = logging.getLogger(__name__)

@@ -34,131 +34,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from duplex.errors import DuplexError, ErrorCode, InternalError
+from duplex.errors import DuplexError, ErrorCode
 from duplex.fence import Fence
 from duplex.sparse import InvalidSparseDeclaration, record_fail_closed, typed_audio_payloads
 from duplex.v1 import common_pb2, worker_pb2
+from worker_service.engine_types import (
+    APPEND,
+    CLEAR,
+    COMMIT,
+    RESPOND,
+    AbortOlder,
+    EngineCommand,
+    EngineDeadError,
+    Enqueue,
+    OwnerStep,
+    QueueCounter,
+    ReleaseSession,
+    Sink,
+    Update,
+    Work,
+)
 from worker_service.metrics import ACTIVE_REQUESTS, BATCH_SIZE, FENCED, QUEUE_DEPTH, STEP_DURATION
 from worker_service.model import AUDIO, FloatArray, RequestNews, StepBatch, StepModel
 from worker_service.sparse_adapter import adapt_multimodal_outputs
 
+# The types moved to ``engine_types``: re-exported, so ``from worker_service.engine import ...`` works.
+__all__ = ["APPEND", "CLEAR", "COMMIT", "RESPOND", "AbortOlder", "Engine", "EngineCommand", "EngineDeadError"]
+__all__ += ["Enqueue", "OwnerStep", "QueueCounter", "ReleaseSession", "Sink", "Update", "Work"]
+
 logger = logging.getLogger(__name__)
-
-APPEND = worker_pb2.SUBMISSION_KIND_APPEND
-COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
-RESPOND = worker_pb2.SUBMISSION_KIND_RESPOND
-CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
-
-
-class QueueCounter:
-    """A request's queued input in units (frames; 1 per non-APPEND submission).
-
-    Lock-free across threads: only the asyncio side writes ``submitted`` and only the engine
-    writes ``retired``, so ``depth`` is at worst a little stale, never corrupt.
-    """
-
-    __slots__ = ("retired", "submitted")
-
-    def __init__(self) -> None:
-        self.submitted = 0
-        self.retired = 0
-
-    @property
-    def depth(self) -> int:
-        return self.submitted - self.retired
-
-
-@dataclass(slots=True, eq=False)
-class Work:
-    """One submission, queued for its request."""
-
-    kind: worker_pb2.SubmissionKind.ValueType
-    fence: Fence
-    owner: str
-    request_id: str
-    seq: int = 0
-    frames: FloatArray | None = None
-    """APPEND: ``(n, frame_samples)`` float32."""
-    pos: int = 0
-    """APPEND: frames consumed so far."""
-    options: object | None = None
-    """Parsed ``params`` to apply before the submission's effect."""
-    replay: bool = False
-    """APPEND: input replayed after a move; its news were reported by the worker that first
-    consumed it, so only its consumption is reported (``Submission.replay``)."""
-
-    @property
-    def units(self) -> int:
-        """Queue units this work still holds."""
-        return len(self.frames) - self.pos if self.frames is not None else 1
-
-
-@dataclass(frozen=True, slots=True)
-class Enqueue:
-    work: Work
-    counter: QueueCounter
-
-
-@dataclass(frozen=True, slots=True)
-class AbortOlder:
-    """Drop the session's queued and running work of epochs below ``epoch``."""
-
-    session_id: str
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseSession:
-    session_id: str
-
-
-EngineCommand = Enqueue | AbortOlder | ReleaseSession
-
-
-@dataclass(slots=True)
-class Update:
-    """Per-request news for one owner (``RequestUpdate`` in domain form)."""
-
-    request_id: str
-    fence: Fence
-    vad: list[tuple[worker_pb2.VadEvent.Kind.ValueType, int]] = field(default_factory=list)
-    text: str = ""
-    input_seq: int = 0
-    turn_ended: bool = False
-    committed_samples: int = 0
-    response_started: bool = False
-    response_finished: bool = False
-    error: tuple[str, str] | None = None
-
-
-@dataclass(slots=True)
-class OwnerStep:
-    """One step as one owner sees it (``StepOutput`` in domain form); ``step`` 0 = news only."""
-
-    step: int
-    batch: list[tuple[str, Fence]] = field(default_factory=list)
-    output_type: worker_pb2.OutputType.ValueType = worker_pb2.OUTPUT_TYPE_UNSPECIFIED
-    sparse: bool = True
-    audio_ids: list[str] = field(default_factory=list)
-    """Sparse: the owner's request ids, aligned to ``audio``."""
-    audio: list[common_pb2.AudioPayload] = field(default_factory=list)
-    """Sparse: aligned to ``audio_ids``; dense: aligned to ``batch``."""
-    updates: list[Update] = field(default_factory=list)
-    held: list[str] = field(default_factory=list)
-    """Reconciliation (``step`` 0, first on a new Run stream): sessions the worker held for the
-    owner when the stream opened; sent as ``held_sessions`` with their fences as they are when
-    sent (those released meanwhile are left out)."""
-
-
-Sink = Callable[[list[tuple[str, OwnerStep]]], None]
-"""Receives each iteration's per-owner results on the engine thread; must never block."""
-
-
-class EngineDeadError(InternalError):
-    """The engine thread stopped on a fatal error; the worker no longer serves."""
-
-    def __init__(self) -> None:
-        super().__init__(ErrorCode.INTERNAL, "the worker's engine failed", retryable=True)
 
 
 @dataclass(slots=True, eq=False)

@@ -5,8 +5,9 @@ lock; the engine thread learns about epoch changes through ordered engine comman
 rejection raises ``FencedError``/``NotFoundError`` with the protocol's code and is counted here.
 
 With mutual TLS the fence is an authorization decision (``authorize=True``): an owner is the key
-``IDENTITY/owner`` the servicer builds from the caller's certificate, and a session changes owner
-only by an explicit takeover from an identity allowed to take over, never by a higher epoch.
+``IDENTITY/owner`` built from the caller's certificate (``identity.owner_key``), and a session
+changes owner only by an explicit takeover from an identity allowed to take over, never by a
+higher epoch.
 Without it (plaintext on loopback, local development) a higher epoch moves a session, as it
 always did. Either way a session closed for good stays refused for a while (its tombstone).
 """

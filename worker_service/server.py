@@ -29,7 +29,8 @@ from worker_service.fencing import FenceTable
 from worker_service.metrics import ENGINE_FAILURES
 from worker_service.model import StepModel
 from worker_service.models import create_model
-from worker_service.servicer import SERVICE_NAME, DuplexWorkerServicer, ServingState
+from worker_service.servicer import SERVICE_NAME, DuplexWorkerServicer
+from worker_service.serving_state import ServingState
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,237 @@
+"""What an owner asks of its sessions: an Attach, and each command of its Run stream.
+
+Both run on the event loop: validated (ids bounded by ``MAX_ID_LENGTH``; a submission's kind,
+params and PCM), fenced by the session table, then handed to the engine in order. An Attach
+that moves a session tells the displaced owner at once. A rejected submission, abort or
+release fails only itself: submissions and aborts are answered with an error update to the
+owner, a release is ignored; a failure of the command as a whole (the worker stops serving)
+raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, WorkerErrorCode
+from duplex.fence import Fence
+from duplex.v1 import common_pb2, worker_pb2
+from worker_service.config import WorkerConfig
+from worker_service.delivery import OutputHub
+from worker_service.engine import Engine
+from worker_service.engine_types import (
+    APPEND,
+    CLEAR,
+    COMMIT,
+    RESPOND,
+    AbortOlder,
+    EngineCommand,
+    Enqueue,
+    ReleaseSession,
+    Update,
+    Work,
+)
+from worker_service.fencing import MAX_ID_LENGTH, Admission
+from worker_service.identity import IdentityPolicy
+from worker_service.metrics import SUBMISSIONS
+from worker_service.model import StepModel, bad_submission, options_from_struct
+from worker_service.serving_state import ServingState
+from worker_service.sessions import SessionTable
+
+logger = logging.getLogger(__name__)
+
+_KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "clear"}
+
+
+def check_id_length(*ids: str) -> None:
+    """Refuse (``invalid_event``) ids longer than ``MAX_ID_LENGTH`` (Attach, a Run's owner)."""
+    if any(len(i) > MAX_ID_LENGTH for i in ids):
+        raise BadRequestError(ErrorCode.INVALID_EVENT, f"ids are at most {MAX_ID_LENGTH} characters")
+
+
+def _clip(value: str) -> str:
+    """An id echoed in a rejection, at most ``MAX_ID_LENGTH`` long (a refused over-long id is
+    not sent back whole)."""
+    return value[:MAX_ID_LENGTH]
+
+
+def _clip_fence(msg: common_pb2.Fence) -> Fence:
+    return Fence(_clip(msg.session_id), msg.epoch, msg.turn_id)
+
+
+class CommandHandler:
+    """Attach and Run commands, from message to engine commands and rejections."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        state: ServingState,
+        engine: Engine,
+        hub: OutputHub,
+        sessions: SessionTable,
+        identity: IdentityPolicy,
+    ) -> None:
+        self._config = config
+        self._state = state
+        self._engine = engine
+        self._hub = hub
+        self._sessions = sessions
+        self._identity = identity
+
+    def attach(
+        self, request: worker_pb2.AttachRequest, identify: Callable[[], str | None]
+    ) -> tuple[Admission, bool]:
+        """Grant an Attach: the admission and whether the session was already live.
+
+        ``identify`` reads the caller's certificate identity (see ``IdentityPolicy.owner``)."""
+        sid = request.session_id
+        self._state.serving_model()
+        if not sid or not request.owner:
+            raise BadRequestError(ErrorCode.INVALID_EVENT, "Attach needs session_id and owner")
+        check_id_length(sid, request.owner, request.request_id)
+        owner, identity = self._identity.owner(request.owner, identify)
+        fences = self._sessions.fences
+        previous = fences.owner_of(sid)
+        previous_request_id = self._sessions.request_id(sid)
+        try:
+            admission, was_live = fences.attach(
+                sid,
+                request.epoch,
+                owner,
+                request.takeover,
+                may_take_over=self._identity.may_take_over(identity),
+            )
+        except DuplexError as err:
+            if request.takeover and err.code == WorkerErrorCode.NOT_OWNER:
+                logger.warning("takeover of session %r by owner %r refused: %s", sid, owner, err.message)
+            raise
+        if admission.bumped:
+            self._engine.submit([AbortOlder(sid, admission.epoch)])
+        # Known from the Attach on: a session taken over before its first submission is
+        # announced to the owner it leaves all the same.
+        self._sessions.attached(sid, owner, request.request_id or sid)
+        if previous is not None and previous != owner:
+            logger.info(
+                "session %r taken over by owner %r from owner %r at epoch %d",
+                sid,
+                owner,
+                previous,
+                admission.epoch,
+            )
+            if previous_request_id is not None:
+                self._tell_displaced(previous, previous_request_id, sid, admission.epoch)
+        return admission, was_live
+
+    def _tell_displaced(self, owner: str, request_id: str, session_id: str, epoch: int) -> None:
+        """The session was taken over: its old owner's queued work is gone and nothing more will
+        come of it, so say so now (it stops waiting, ends the session there) rather than at its
+        next submission, which may never come."""
+        fence = Fence(session_id, epoch, 0)
+        msg = "the session was taken over by another owner"
+        self._hub.send_updates(owner, [Update(request_id, fence, error=(WorkerErrorCode.NOT_OWNER, msg))])
+
+    def handle(self, owner: str, cmd: worker_pb2.WorkerCommand) -> None:
+        """Fence and validate one command, queue its work on the engine, answer rejections."""
+        model = self._state.serving_model()
+        sessions = self._sessions
+        fences = sessions.fences
+        engine_cmds: list[EngineCommand] = []
+        rejected: list[Update] = []
+        for ab in cmd.abort:
+            try:
+                if len(ab.request_id) > MAX_ID_LENGTH or len(ab.fence.session_id) > MAX_ID_LENGTH:
+                    raise bad_submission(f"ids are at most {MAX_ID_LENGTH} characters")
+                admission = fences.check(ab.fence.session_id, ab.fence.epoch, owner)
+            except DuplexError as err:
+                rejected.append(
+                    Update(_clip(ab.request_id), _clip_fence(ab.fence), error=(err.code, err.message))
+                )
+                continue
+            if admission.bumped:
+                engine_cmds.append(AbortOlder(ab.fence.session_id, admission.epoch))
+            sessions.claim(ab.fence.session_id)
+        for sub in cmd.submit:
+            SUBMISSIONS.labels(kind=_KIND_LABELS.get(sub.kind, "unknown")).inc()
+            try:
+                work = to_work(model, owner, sub)
+                admission = fences.check(sub.fence.session_id, sub.fence.epoch, owner)
+                counter = sessions.counter(sub.fence.session_id)
+                if counter.depth + work.units > self._config.max_queued_frames:
+                    raise CapacityError(
+                        WorkerErrorCode.CAPACITY,
+                        f"the request's input queue is full ({self._config.max_queued_frames} frames)",
+                    )
+            except DuplexError as err:
+                rejected.append(
+                    Update(_clip(sub.request_id), _clip_fence(sub.fence), error=(err.code, err.message))
+                )
+                continue
+            if admission.bumped:
+                engine_cmds.append(AbortOlder(sub.fence.session_id, admission.epoch))
+            counter.submitted += work.units
+            sessions.submitted(sub.fence.session_id, sub.request_id)
+            engine_cmds.append(Enqueue(work, counter))
+        for rel in cmd.release:
+            sid = rel.fence.session_id
+            if len(sid) > MAX_ID_LENGTH:
+                continue  # no such session
+            try:
+                if rel.closed:  # ended for good: tombstoned, later Attaches get session_closed
+                    live = fences.close(sid, rel.fence.epoch, owner)
+                else:  # moved or dropped: it may come back
+                    fences.check(sid, rel.fence.epoch, owner)
+                    fences.release(sid)
+                    live = True
+            except DuplexError:
+                continue  # a release that is not the session's current owner's is ignored (counted)
+            if live:
+                engine_cmds.append(ReleaseSession(sid))
+            sessions.forget(sid)
+        self._engine.submit(engine_cmds)
+        if rejected:
+            self._hub.send_updates(owner, rejected)
+
+
+def to_work(model: StepModel[Any], owner: str, sub: worker_pb2.Submission) -> Work:
+    """Validate one submission and turn it into engine work (an APPEND's PCM into float frames);
+    raises ``bad_submission``."""
+    if not sub.request_id or not sub.fence.session_id:
+        raise bad_submission("a submission needs request_id and fence.session_id")
+    if len(sub.request_id) > MAX_ID_LENGTH or len(sub.fence.session_id) > MAX_ID_LENGTH:
+        raise bad_submission(f"ids are at most {MAX_ID_LENGTH} characters")
+    if sub.kind not in _KIND_LABELS:
+        raise bad_submission(f"unknown submission kind {int(sub.kind)}")
+    options = None
+    if sub.HasField("params"):
+        params = options_from_struct(sub.params)  # non-finite numbers: bad_submission
+        try:
+            options = model.parse_options(params)
+        except DuplexError:
+            raise
+        except (TypeError, ValueError, OverflowError, ArithmeticError) as exc:
+            # A model's parser tripping over a value of the wrong type is the caller's
+            # bad submission, not a failure of the owner's whole stream.
+            logger.info("submission params refused by the model: %r", exc)
+            raise bad_submission("invalid params") from exc
+    work = Work(
+        kind=sub.kind,
+        fence=Fence.from_proto(sub.fence),
+        owner=owner,
+        request_id=sub.request_id,
+        options=options,
+    )
+    if sub.kind == APPEND:
+        fmt = model.audio_format
+        frame_bytes = model.frame_samples * fmt.frame_bytes
+        if not sub.pcm or len(sub.pcm) % frame_bytes:
+            raise bad_submission(
+                f"APPEND pcm of {len(sub.pcm)} bytes is not a whole number of {frame_bytes}-byte frames"
+            )
+        samples = np.frombuffer(sub.pcm, dtype="<i2").astype(np.float32) * np.float32(1.0 / 32768.0)
+        work.frames = samples.reshape(-1, model.frame_samples)
+        work.seq = sub.seq
+        work.replay = sub.replay
+    return work

@@ -1,0 +1,84 @@
+"""Engine results become ``StepOutput`` messages, on the way out to each owner.
+
+Conversion happens in the owner's stream writer, after the step and as late as possible: output
+stepped under a fence the session has since moved past (an older epoch, another owner now) is
+stripped first and counted ``stale_output``, so once an abort or a takeover is processed no
+older output reaches the owner, even if the engine stepped it a moment before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from duplex.fence import Fence
+from duplex.v1 import worker_pb2
+from worker_service.engine_types import OwnerStep
+from worker_service.fencing import FenceTable
+from worker_service.metrics import FENCED, REQUEST_ERRORS
+
+
+def to_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:
+    """Convert one owner's step, stripping output of fences the session has moved past."""
+    if item.held:
+        return held_proto(fences, owner, item)
+    is_current = fences.is_current
+    if item.step:
+        stale = {rid for rid, f in item.batch if not is_current(f.session_id, f.epoch, owner)}
+        if stale:
+            item = strip(item, stale, lambda f: is_current(f.session_id, f.epoch, owner))
+            if not item.batch and not item.updates:
+                return None
+    out = worker_pb2.StepOutput(step=item.step)
+    for rid, fence in item.batch:
+        entry = out.batch.add(request_id=rid)
+        fence.write_to(entry.fence)
+    if item.step:
+        mm = out.outputs
+        mm.output_type = item.output_type
+        mm.sparse_audio = item.sparse
+        mm.req_id.extend(item.audio_ids)
+        mm.audio.extend(item.audio)
+    for upd in item.updates:
+        ru = out.updates.add(request_id=upd.request_id)
+        upd.fence.write_to(ru.fence)
+        if upd.error is not None:
+            REQUEST_ERRORS.labels(code=upd.error[0]).inc()
+            ru.error.code, ru.error.message = upd.error
+            continue
+        for kind, offset in upd.vad:
+            ru.vad.add(kind=kind, sample_offset=offset)
+        ru.text = upd.text
+        ru.input_seq = upd.input_seq
+        ru.turn_ended = upd.turn_ended
+        ru.committed_samples = upd.committed_samples
+        ru.response_started = upd.response_started
+        ru.response_finished = upd.response_finished
+    return out
+
+
+def held_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:
+    """A reconciliation list: the listed sessions still held for ``owner``, at their fences
+    now (a session released or taken over since the list was made is left out)."""
+    out = worker_pb2.StepOutput(step=0)
+    for sid in item.held:
+        cur = fences.current(sid)
+        if cur is not None and cur[1] == owner:
+            out.held_sessions.add(session_id=sid, epoch=cur[0])
+    return out if out.held_sessions else None
+
+
+def strip(item: OwnerStep, stale: set[str], is_current: Callable[[Fence], bool]) -> OwnerStep:
+    """``item`` without the ``stale`` requests' batch entries, audio and updates (counted), and
+    without updates whose fence is no longer current."""
+    FENCED.labels(reason="stale_output").inc(len(stale))
+    keep = [i for i, (rid, _) in enumerate(item.batch) if rid not in stale]
+    out = OwnerStep(step=item.step, output_type=item.output_type, sparse=item.sparse)
+    out.batch = [item.batch[i] for i in keep]
+    if item.sparse:
+        pairs = [(rid, p) for rid, p in zip(item.audio_ids, item.audio, strict=True) if rid not in stale]
+        out.audio_ids = [rid for rid, _ in pairs]
+        out.audio = [p for _, p in pairs]
+    elif item.audio:
+        out.audio = [item.audio[i] for i in keep]
+    out.updates = [u for u in item.updates if u.request_id not in stale and is_current(u.fence)]
+    return out
