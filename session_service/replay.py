@@ -19,6 +19,8 @@ What is kept, and when it goes:
   answered is no longer needed: everything up to its marker goes;
 - CLEAR drops the chunks after the last marker (the worker dropped them too), and a new epoch
   drops chunks of older epochs the worker had not consumed (it drops them too);
+- when the turn is given up (no worker took the session over, or the model cannot be replayed)
+  everything goes (``clear``): replayed later, it would begin the next turn;
 - the log is bounded in two parts, each by ``max_bytes``: the input after the newest commit
   (what the user is saying now), and the committed input before it (what a response answers).
   Past a bound the oldest chunks of that part go and the log is ``trimmed`` (a replay then

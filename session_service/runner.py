@@ -259,6 +259,12 @@ class SessionRunner:
         """The current turn's input, kept to rebuild it on another worker (``session_service.replay``)."""
         self._restart: _Restart | None = None
         """A response interrupted by the loss of its worker (or replica), to restart for its turn."""
+        self._left: list[WorkerHandle] = []
+        """The workers the session was lost from since it was last placed (its turn's input is
+        replayed elsewhere: what they hold of it is reconciled when they are back)."""
+        self._stale: list[WorkerHandle] = []
+        """Workers that hold model state of a turn given up (``_give_up_turn``): released before
+        the session is placed again (``_release_stale``)."""
         self.last_response: tuple[str, int, int] | None = None
         """(response id, turn id, ``ResponseStatus``; ACTIVE while it runs) of the last response."""
         if progress is not None:
@@ -1009,6 +1015,8 @@ class SessionRunner:
             return
         self._bind(None)
         if self._replayable:
+            if all(left is not link for left in self._left):
+                self._left.append(link)
             try:
                 self.emitter.acks(self.acks.reset())  # the input is the session's to replay now
                 resp = self._end_response()
@@ -1021,15 +1029,10 @@ class SessionRunner:
             self._mailbox.put_control(_Recover())
             return
         FAILOVERS.labels(result="not_replayable").inc()
-        self.replay.clear()
-        # The worker's model state went with it: uncommitted input (so no hole to protect) and
-        # any committed utterance. The next submission starts over on a healthy worker.
-        self.input_status = InputStatus.OPEN
-        self.turn_status = TurnStatus.LISTENING
-        self.state.input_since_commit_samples = 0
         try:
-            self.emitter.acks(self.acks.reset())  # what it held will never be consumed
-            self._output.end_speech()
+            # The worker's model state went with it: uncommitted input (so no hole to protect)
+            # and any committed utterance. The next submission starts over on a healthy worker.
+            self._give_up_turn([link])
             if self.response is not None:
                 self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
             self.emitter.error(
@@ -1062,12 +1065,51 @@ class SessionRunner:
             except UnavailableError as err:
                 last = err
         FAILOVERS.labels(result="unavailable").inc()
-        restart, self._restart = self._restart, None
-        if restart is not None:
-            self.replay.answered(restart.mark)
+        # The turn is given up, all of it, as when the model cannot be replayed: the input kept
+        # for it goes, not only what the interrupted response answered but what came after (fed
+        # silence, what the user said while the worker hung), and the workers it was lost from
+        # release what they hold of it. Either, kept, would start the next turn: speech the
+        # model never reported on, heard on the next worker (replayed, or still in the old one's
+        # state), committed and answered there, and that answer barged in on by what the user
+        # says next.
+        self._restart = None
+        left, self._left = self._left, []
+        self._give_up_turn(left)
         self._error(
             UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"the session's worker went away: {last.message}")
         )
+
+    def _give_up_turn(self, lost: Sequence[WorkerHandle]) -> None:
+        """The turn in progress is lost with the model state of the session's worker (``lost``:
+        the workers it was lost from), all of it, so that the next input starts a new turn as on
+        a fresh session: the input kept for the turn goes (uncommitted, and committed input no
+        response answered), held acks go out (that input will never be consumed), an open
+        speech span is closed, and the lost workers are to release what they hold of the
+        session before it is placed again (``_release_stale``). A running response is the
+        caller's to end."""
+        self._stale.extend(link for link in lost if all(link is not stale for stale in self._stale))
+        self.replay.clear()
+        self.input_status = InputStatus.OPEN
+        self.turn_status = TurnStatus.LISTENING
+        self.state.input_since_commit_samples = 0
+        self.emitter.acks(self.acks.reset())
+        self._output.end_speech()
+
+    async def _release_stale(self) -> None:
+        """Before the session is placed again: the workers that hold the model state of a turn
+        given up release it (VAD state, input the user said meanwhile). The session may land on
+        one of them, where a takeover keeps what the session holds there: that stale state
+        would begin the next turn (speech heard in it committed and answered, then barged in
+        on). The release goes first thing on a link that is down (kept for its next stream),
+        and is written before anything else is asked of the worker on one that is up; a worker
+        that no longer holds the session ignores it (reconciled when the link came back)."""
+        stale, self._stale = self._stale, []
+        fence = self._fence().to_proto()
+        for link in stale:
+            link.release(worker_pb2.Release(request_id=self.session_id, fence=fence, closed=False))
+            if link.healthy:
+                with contextlib.suppress(UnavailableError):  # lost again: kept for its next stream
+                    await self._submit(link, ())
 
     async def _bound_link(self) -> WorkerHandle:
         """The session's worker, placing the session again when it has none (or a dead one):
@@ -1077,6 +1119,8 @@ class SessionRunner:
             if self._restart is not None:
                 self._restart_response(link)
             return link
+        if self._stale:
+            await self._release_stale()
         try:
             # With takeover: this runner holds the session, so whoever still holds it on the new
             # worker (an owner that lost it, a hung replica) is fenced out rather than refusing
@@ -1106,6 +1150,7 @@ class SessionRunner:
                 if self.link is link:
                     self._unbind_after_failed_replay(link)
                 raise
+        self._left.clear()  # placed: what the workers it left hold is reconciled when they return
         if self._restart is not None:
             self._restart_response(link)
         return link

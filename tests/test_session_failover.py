@@ -7,6 +7,8 @@
   e.g. the VAD state and any uncommitted input, is lost with the worker; the session is not).
 - A hung worker process (SIGSTOP: its connection stays up) is dropped by the stall timeout and
   taken back when it answers again.
+- Both workers hung: the failover finds none and the turn is given up, all of it (what the user
+  said meanwhile too); once they answer again, the next turns are answered as before.
 - Placement is rendezvous over the HEALTHY workers only; health stays SERVING while one worker is
   reachable, goes NOT_SERVING without any, and comes back when a worker is restarted on its old
   address (the link reconnects with backoff), after which old and new sessions use it.
@@ -575,6 +577,77 @@ async def test_hung_worker_is_dropped_quickly_and_taken_back_when_it_answers_aga
             task.cancel()
         if stopped:
             os.kill(hung_pid, signal.SIGCONT)
+
+
+@pytest.mark.process
+async def test_after_a_failed_failover_the_next_turns_are_answered_as_before() -> None:
+    """Both workers hang mid-reply, so the failover finds none (the Attach to the other one
+    times out): the reply ends failed/worker_unavailable and the turn is given up
+    (``error{worker_unavailable}``), with what the user said while the reply was stuck, which
+    the hung worker never heard. Once the workers answer again, each of the next turns gets one
+    response, complete, answering that turn's own utterance: nothing barged in on.
+
+    Before, the session kept the failed turn's input after its commit, that utterance included,
+    and replayed it on the worker it found next, ahead of the next turn's input: the model heard
+    the utterance only then, committed and answered it, and the user's next turn barged in on
+    that answer (a client taking it for its own reply saw each next reply cut ~1 s in)."""
+    stopped: list[int] = []
+    async with running(worker_stall_timeout_s=1.0, attach_timeout_s=0.5, worker_backoff_max_s=0.5) as stack:
+        try:
+            async with grpc.aio.insecure_channel(stack.session.address) as ch:
+                conv = Conversation(ch).start(open_session())
+                await conv.wait_kind("opened")
+                turn = await Turn.speak(conv, speech(0))
+                await conv.wait_kind("audio_delta", start=turn.start, within=15)
+                for w in stack.workers:
+                    os.kill(w.pid, signal.SIGSTOP)
+                    stopped.append(w.pid)
+                # The reply stops and the user says something (fast: all of it reaches the hung
+                # worker's link before the stall timeout, as input the worker owes an answer to).
+                await Turn.speak(conv, speech(3), speedup=16.0)
+                failed = await turn.done()
+                assert (failed.status, failed.reason) == (
+                    session_pb2.RESPONSE_STATUS_FAILED,
+                    "worker_unavailable",
+                ), failed
+                err = (await conv.wait_kind("error", start=turn.start, within=20)).error
+                assert err.code == "worker_unavailable" and err.retryable, err
+                assert len(turn.events("response_started")) == 1, "a failed failover restarted the reply"
+                for pid in stopped:
+                    os.kill(pid, signal.SIGCONT)
+                stopped.clear()
+                await wait_links(stack.session, 2, within=10)
+
+                back = len(conv.events)
+                turns: list[Turn] = []
+                got: list[np.ndarray] = []
+                expected: list[np.ndarray] = []
+                for i in (4, 5, 6):
+                    t = await Turn.speak(conv, speech(i))
+                    done = await t.done()
+                    assert done.status == session_pb2.RESPONSE_STATUS_COMPLETED, (i, conv.kinds()[t.start :])
+                    assert len(t.events("response_started")) == 1, (i, conv.kinds()[t.start :])
+                    turns.append(t)
+                    got.append(t.reply(done.response_id))
+                    expected.append(t.expected(got[-1]))  # now: it reads the turn's last commit
+                # Each reply is its own utterance's, clearly better than another turn's.
+                for i, g in enumerate(got):
+                    scores = [similarity(g, e) for e in expected]
+                    others = max(s for j, s in enumerate(scores) if j != i)
+                    assert scores[i] > 0.8 and scores[i] > others + 0.3, (i, scores)
+                after = conv.events[back:]
+                # A worker that fenced the session before may say so (worker_moved); nothing else
+                # is cancelled, and nothing fails.
+                cancelled = [e.audio_cancelled.reason for e in after if e.HasField("audio_cancelled")]
+                assert set(cancelled) <= {"worker_moved"}, cancelled
+                assert [e.error for e in after if e.HasField("error")] == []
+                assert len(conv.of("speech_started")) == len(conv.of("speech_stopped")), conv.kinds()
+                assert_only_own_audio(conv)
+                close(conv)
+                await conv.wait_done()
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
 
 
 # ---- placement, in process (the races a real kill can hit but a test cannot time) ------------

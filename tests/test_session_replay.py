@@ -551,21 +551,75 @@ async def test_no_worker_to_move_to_fails_the_turn_after_the_retries() -> None:
         assert evs[0].error.code == ErrorCode.WORKER_UNAVAILABLE
         assert len(placer.calls) == len(RECOVER_DELAYS_S)
         assert r.response is None and not r.closed
-        # The interrupted turn was given up: its input is not kept for a later move.
-        assert items(r.replay) == ["c3@1"]
-        # A worker comes back: the next event places the session; no response restarts.
+        # The interrupted turn was given up, all of it: the input it answered, and what came
+        # after (append 3, which the lost worker never reported consumed), is not kept for a
+        # later move.
+        assert items(r.replay) == []
+        # A worker comes back: the next event places the session, after the lost worker was told
+        # to release what it holds of it (kept by its link for its next stream); nothing is
+        # replayed and no response restarts: the worker hears the new input only.
         back = FakeLink()
         placer.links.append(back)
+        assert old.releases == []
         await r.post(append(4, frames(4)))
         await settle()
         evs = drain(r)
         assert kinds(evs) == ["input_ack"]
-        assert view(back.subs) == [
-            ("CLEAR", False, b""),
-            ("APPEND", False, frames(3)),
-            ("APPEND", False, frames(4)),
-        ]
-        assert first_id
+        assert [(rel.request_id, rel.fence.epoch, rel.closed) for rel in old.releases] == [(SID, 1, False)]
+        assert view(back.subs) == [("APPEND", False, frames(4))]
+        assert back.releases == [] and first_id
+    finally:
+        r.close("test")
+        await r.wait_closed()
+
+
+async def test_a_failed_failover_leaves_nothing_of_the_turn_for_the_next_one() -> None:
+    """Server turn detection: the worker heard speech begin in input it then never reported
+    consumed, and hangs mid-reply; no worker takes the session. The speech span is closed, and
+    the next turn on the worker found later is the new input alone: nothing of the lost one is
+    replayed there (its speech would be heard, committed and answered as a turn of its own),
+    nor counted in a commit; the lost worker, back by then, releases what it holds of the
+    session before the session is placed again (it could be placed there)."""
+    clock = ManualClock()
+    old = FakeLink()
+    released_before_placing: list[int] = []
+
+    class ReleasedFirst(Placer):
+        async def __call__(self, session_id: str, epoch: int, takeover: bool) -> tuple[WorkerHandle, int]:
+            released_before_placing.append(len(old.releases))
+            return await super().__call__(session_id, epoch, takeover)
+
+    placer = ReleasedFirst()
+    r = make_runner(old, placer, clock=clock)
+    try:
+        await explicit_turn(r, old)
+        started = worker_pb2.VadEvent(kind=worker_pb2.VadEvent.KIND_SPEECH_STARTED, sample_offset=0)
+        r.on_output(None, None, [update(r.epoch, 0, vad=[started])])  # older input: no barge-in
+        await r.post(append(4, frames(4)))  # more of it, never reported consumed
+        await settle()
+        assert kinds(drain(r)) == ["speech_started", "input_ack"]
+        lose(r, old)
+        await settle()
+        assert kinds(drain(r)) == ["response_done"]
+        await clock.advance(sum(RECOVER_DELAYS_S) + 0.5, step=0.05)
+        await settle()
+        evs = drain(r)
+        assert kinds(evs) == ["speech_stopped", "error"], kinds(evs)
+        assert evs[1].error.code == ErrorCode.WORKER_UNAVAILABLE and evs[1].error.retryable
+        assert len(r.replay) == 0 and r.replay.size == 0
+        old.healthy = True  # its link is back
+        released_before_placing.clear()
+        back = FakeLink()
+        placer.links.append(back)
+        await r.post(append(5, frames(5)))
+        await r.post(COMMIT_EVENT)
+        await settle()
+        evs = drain(r)
+        assert kinds(evs) == ["input_ack", "committed"], kinds(evs)
+        assert evs[1].committed.audio_ms == 32  # frame 5 alone
+        assert view(back.subs) == [("APPEND", False, frames(5)), ("COMMIT", False, b"")]
+        assert released_before_placing == [1]
+        assert [(rel.request_id, rel.closed) for rel in old.releases] == [(SID, False)]
     finally:
         r.close("test")
         await r.wait_closed()
