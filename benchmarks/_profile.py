@@ -83,15 +83,18 @@ def _parse(frame: str) -> tuple[str, str]:
 
 
 def short(frame: str) -> str:
-    """``func (path/to/pkg/mod.py:123)`` -> ``pkg/mod.py:func`` (line numbers dropped, paths cut
-    to the last two parts; an unresolved native address is ``lib.so:?``)."""
+    """``func (path/to/pkg/mod.py:123)`` -> ``pkg/mod.py:func`` (line numbers dropped; a path of
+    the project from its package on, ``session_service/session/runner.py``, any other cut to its
+    last two parts; an unresolved native address is ``lib.so:?``)."""
     func, file = _parse(frame)
     if not file:
         return func
     parts = Path(file).parts
     if re.fullmatch(r"0x[0-9a-fA-F]+", func):
         func = "?"
-    return f"{'/'.join(parts[-2:])}:{func}"
+    roots = [i for i, part in enumerate(parts) if f"{part}/" in PROJECT]
+    kept = parts[roots[-1] :] if roots else parts[-2:]
+    return f"{'/'.join(kept)}:{func}"
 
 
 #: Where a leaf frame's time goes, by its file: (area, substrings of the file), first match wins.

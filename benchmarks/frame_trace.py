@@ -25,9 +25,9 @@ import grpc
 from duplex.audio import PCM16K_MONO, encode, read_wav, resample, to_mono
 from duplex.stack import example_path
 from duplex.v1 import session_pb2, session_pb2_grpc
+from session_service.api.server import SessionServer
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
-from session_service.server import SessionServer
 from worker_service.config import WorkerConfig
 from worker_service.server import WorkerServer
 
@@ -41,14 +41,20 @@ FRAME_BYTES = 512 * 2
 #: Where work crosses from one task or thread to another: (module, function) of the side that
 #: takes it over. Counted when the traced path runs them.
 HANDOFFS = {
-    ("session_service/runner.py", "SessionRunner._next_item"): "client event -> the session's mailbox task",
-    ("session_service/worker_link.py", "WorkerLink._send_loop"): "submission -> the link's sender task",
+    (
+        "session_service/session/runner.py",
+        "SessionRunner._next_item",
+    ): "client event -> the session's mailbox task",
+    ("session_service/workers/link.py", "WorkerLink._send_loop"): "submission -> the link's sender task",
     ("worker_service/servicer.py", "DuplexWorkerServicer._read"): "gRPC: session service -> worker",
     ("worker_service/engine.py", "Engine._iterate"): "command -> the engine thread",
     ("worker_service/delivery.py", "OutputHub.deliver"): "step result -> the event loop",
     ("worker_service/servicer.py", "DuplexWorkerServicer.Run"): "owner channel -> the Run stream",
-    ("session_service/worker_link.py", "WorkerLink._read_loop"): "gRPC: worker -> session service",
-    ("session_service/servicer.py", "DuplexSessionServicer.Converse"): "outbound queue -> the client stream",
+    ("session_service/workers/link.py", "WorkerLink._read_loop"): "gRPC: worker -> session service",
+    (
+        "session_service/api/servicer.py",
+        "DuplexSessionServicer.Converse",
+    ): "outbound queue -> the client stream",
 }
 
 

@@ -596,7 +596,7 @@ def _check_cli(ctx: Context, w: Workload) -> None:
     parser: Any
     try:
         if w.tier == "session":
-            from session_service import cli as session_cli
+            from session_service.api import cli as session_cli
 
             parser = session_cli._parser()
         else:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 # subcommand -> (module with main(argv), one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("worker_service.cli", "run a GPU/CPU worker service (batched model engine)"),
-    "session": ("session_service.cli", "run a session service (the client-facing gRPC API)"),
+    "session": ("session_service.api.cli", "run a session service (the client-facing gRPC API)"),
     "up": ("duplex.stack", "start the local stack: one session service and N workers"),
     "talk": ("duplex.talk", "talk a WAV file through a session and save the reply"),
     "demo": ("duplex.demo", "start the local stack, talk a bundled recording through it, stop"),

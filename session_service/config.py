@@ -7,7 +7,7 @@ from pathlib import Path
 
 from duplex.serving import EVENT_LOOPS
 from duplex.tls import ClientTLS, ServerTLS
-from session_service.resume import DEFAULT_MAX_AGE_S, ResumeKeys
+from session_service.trust.resume_tokens import DEFAULT_MAX_AGE_S, ResumeKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,7 @@ class RunnerConfig:
     """Bytes queued per session in each direction: client events waiting in the mailbox (the
     client is then read no further: backpressure), and server events waiting for the client (in
     the client's output format, so upsampled sizes count; a client that falls further behind is
-    cut off as a slow consumer). The turn's input kept for failover (``session_service.replay``)
+    cut off as a slow consumer). The turn's input kept for failover (``session_service.session.replay``)
     is bounded by it too, twice over (committed input, and input since): at most the plugin's
     ``replay_window_s`` of worker audio each (parrot: 15 s, ~480 KB). A session holds at most
     twice this plus that."""
@@ -50,13 +50,13 @@ class RunnerConfig:
     never overruns the worker's per-request input queue. 0 = ack on hand-off, never hold."""
     turn_failover: bool = True
     """When the model can be replayed (``DuplexModelPlugin.replayable``): keep the current
-    turn's input so that a worker lost mid-turn costs the user nothing (``session_service.replay``);
+    turn's input so that a worker lost mid-turn costs the user nothing (``session_service.session.replay``);
     off, a lost worker fails the turn."""
 
 
 @dataclass(frozen=True, slots=True)
 class EvictionLimits:
-    """Evictions (``session_service.eviction``) waiting for a worker not reachable from this
+    """Evictions (``session_service.workers.eviction``) waiting for a worker not reachable from this
     replica: how many, and for how long."""
 
     max_pending: int = 4096
@@ -83,7 +83,7 @@ class ServiceConfig:
     workers: tuple[str, ...]
     """Worker addresses (``HOST:PORT``), or ONE ``dns:[//DNS_SERVER[:PORT]/]NAME:PORT`` target whose
     A and AAAA records are the workers, re-resolved while the service runs
-    (``session_service.discovery``). Placement ranks workers by their own ids, so replicas agree
+    (``session_service.workers.discovery``). Placement ranks workers by their own ids, so replicas agree
     whatever addresses each one dials."""
     workers_resolve_interval_s: float = 10.0
     """With a ``dns:`` target: how often its name is resolved again (also at once, at most once a
@@ -158,7 +158,7 @@ class ServiceConfig:
     max_concurrent_rpcs: int = 0
     """Authenticated calls in progress at once (streams that have not opened yet count too);
     beyond it a new call is refused with RESOURCE_EXHAUSTED ``too_many_calls`` before its
-    handler runs (``session_service.admission``). 0: twice ``max_sessions`` plus 64 (resumes
+    handler runs (``session_service.api.admission``). 0: twice ``max_sessions`` plus 64 (resumes
     overlapping the streams they replace)."""
     max_calls_per_principal: int = 0
     """Calls one principal may have in progress at once, opened or not (RESOURCE_EXHAUSTED

@@ -28,7 +28,7 @@ ERRORS: Final = Counter("duplex_session_errors", "Errors sent to clients, by sta
 DROPPED_OUTPUTS: Final = Counter(
     "duplex_session_dropped_outputs",
     "Worker outputs (audio, text, updates) not delivered to a client, by reason "
-    "(see session_service.worker_output).",
+    "(see session_service.session.worker_output).",
     ["reason"],
 )
 FRAME_LATENCY: Final = Histogram(
@@ -106,7 +106,7 @@ RESTARTED_RESPONSES: Final = Counter(
 EVICTIONS: Final = Counter(
     "duplex_session_evictions",
     "Sessions a resume moved off the worker their token named, which that worker was told to drop "
-    "(session_service.eviction), by result: evicted (taken over and released there), refused (the "
+    "(session_service.workers.eviction), by result: evicted (taken over and released there), refused (the "
     "worker refused the takeover), cancelled (placed on that worker by this replica, or no longer "
     "held here), expired (the worker was not reachable from this replica in time), dropped (too "
     "many waiting).",
@@ -130,7 +130,7 @@ CARRIED_ACKS: Final = Counter(
 )
 
 # Known label values exist from the start, so rate() alerts see a zero series (the drop
-# reasons are created with their table, session_service.worker_output.DropReason).
+# reasons are created with their table, session_service.session.worker_output.DropReason).
 for _stage in ("ack", "first_audio"):
     FRAME_LATENCY.labels(stage=_stage)
 for _result in ("ok", "empty", "failed"):

@@ -44,8 +44,8 @@ from grpc_health.v1 import health_pb2
 
 from duplex.serving import health_check
 from duplex.tls import ChannelCredentials, ClientTLS
-from session_service.auth import token_digest
-from session_service.placement import rendezvous_pick
+from session_service.trust.auth import token_digest
+from session_service.workers.placement import rendezvous_pick
 from tests.procs import ServiceProcess, spawn
 from tests.session_helpers import PARROT, wait_metric
 

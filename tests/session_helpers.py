@@ -22,12 +22,12 @@ from duplex.audio import PCM16K_MONO, PcmFormat, decode, encode, read_wav, resam
 from duplex.clock import MONOTONIC
 from duplex.errors import DuplexError, from_rpc_error
 from duplex.v1 import session_pb2, session_pb2_grpc, worker_pb2
+from session_service.api.server import SessionServer
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import load_plugin
 from session_service.plugins.parrot import ParrotPlugin
-from session_service.resume import ResumeKeys
-from session_service.runner import Placer, RunnerDeps, SessionRunner
-from session_service.server import SessionServer
+from session_service.session.runner import Placer, RunnerDeps, SessionRunner
+from session_service.trust.resume_tokens import ResumeKeys
 from tests.fakes import ManualClock
 from tests.procs import ServiceProcess, start_all, start_service
 from worker_service.config import WorkerConfig

@@ -241,14 +241,14 @@ def test_ramp_stops_when_the_time_budget_is_spent():
 
 
 _ENTRY = (
-    "_run_module_as_main (<frozen runpy>:198);main (session_service/cli.py:332);"
-    "run (session_service/server.py:248);run_forever (asyncio/base_events.py:607)"
+    "_run_module_as_main (<frozen runpy>:198);main (session_service/api/cli.py:332);"
+    "run (session_service/api/server.py:248);run_forever (asyncio/base_events.py:607)"
 )
 COLLAPSED = "\n".join(
     [
         f"thread (0x1): MainThread;{_ENTRY};Handle._run (asyncio/events.py:80);"
-        "SessionRunner._on_append (session_service/runner.py:417);"
-        "Emitter.acks (session_service/emitter.py:64) 6",
+        "SessionRunner._on_append (session_service/session/runner.py:417);"
+        "Emitter.acks (session_service/session/emitter.py:64) 6",
         f"thread (0x1): MainThread;{_ENTRY};EpollSelector.select (selectors.py:468) 3",
         "thread (0x2): Thread-1 (_poll_wrapper);Thread._bootstrap (threading.py:1002);"
         "Thread.run (threading.py:982) 1",
@@ -260,18 +260,18 @@ def test_profile_top_functions_own_inclusive_and_threads():
     top = _profile.top_functions(COLLAPSED, n=5)
     assert top["samples"] == 10
     assert top["own"][0] == {
-        "function": "session_service/emitter.py:Emitter.acks",
+        "function": "session_service/session/emitter.py:Emitter.acks",
         "samples": 6,
         "share": 0.6,
     }
     inclusive = [t["function"] for t in top["inclusive"]]
     # project code only, the entry chain (cli main, server run) left out
     assert inclusive[:2] == [
-        "session_service/emitter.py:Emitter.acks",
-        "session_service/runner.py:SessionRunner._on_append",
+        "session_service/session/emitter.py:Emitter.acks",
+        "session_service/session/runner.py:SessionRunner._on_append",
     ] or set(inclusive[:2]) == {
-        "session_service/emitter.py:Emitter.acks",
-        "session_service/runner.py:SessionRunner._on_append",
+        "session_service/session/emitter.py:Emitter.acks",
+        "session_service/session/runner.py:SessionRunner._on_append",
     }
     assert not any("cli.py" in f or "server.py" in f or "asyncio" in f for f in inclusive)
     assert top["threads"] == {"MainThread": 9, "Thread-1 (_poll_wrapper)": 1}
@@ -283,8 +283,8 @@ NATIVE = "\n".join(
         "(grpc/_cython/cygrpc.cpython-311-x86_64-linux-gnu.so);sendmsg (libc.so.6) 4",
         "thread (0x1): MainThread;Handle._run (asyncio/events.py:80);"
         "0x7f2bbbd7cc26 (grpc/_cython/cygrpc.cpython-311-x86_64-linux-gnu.so) 2",
-        "thread (0x1): MainThread;SessionRunner._run (session_service/runner.py:271);"
-        "AckWindow.consumed (session_service/ack_window.py:90) 2",
+        "thread (0x1): MainThread;SessionRunner._run (session_service/session/runner.py:271);"
+        "AckWindow.consumed (session_service/session/ack_window.py:90) 2",
         "thread (0x1): MainThread;EpollSelector.select (selectors.py:468) 2",
     ]
 )

@@ -28,7 +28,7 @@ from duplex.serving import (
     peer_host,
     server_options,
 )
-from session_service.servicer import SERVICE_NAME
+from session_service.api.servicer import SERVICE_NAME
 from tests.session_helpers import session_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

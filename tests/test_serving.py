@@ -13,7 +13,7 @@ import pytest
 from duplex import serving
 from duplex.serving import event_loop_name, run_service, running_loop_name, stop_signals
 from duplex.stack import LocalStack
-from session_service.cli import config_from_args as session_config
+from session_service.api.cli import config_from_args as session_config
 from session_service.config import ServiceConfig
 from worker_service.cli import build_parser as worker_parser
 from worker_service.cli import config_from_args as worker_config

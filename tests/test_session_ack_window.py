@@ -1,4 +1,4 @@
-"""The input-ack window (``session_service.ack_window``): pure, so checked as a property.
+"""The input-ack window (``session_service.session.ack_window``): pure, so checked as a property.
 
 Whatever order appends, worker consumption reports and resets come in, the window must
 (1) never acknowledge an append while more than its bound of audio is unconsumed, except when
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from session_service.ack_window import Ack, AckWindow
+from session_service.session.ack_window import Ack, AckWindow
 
 FRAME_MS = 32.0
 

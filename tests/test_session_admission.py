@@ -1,4 +1,4 @@
-"""Call slots counted where they cost (``session_service.admission.CallLedger``, a state with no
+"""Call slots counted where they cost (``session_service.api.admission.CallLedger``, a state with no
 I/O) and the defaults that keep one caller below the replica's bound. The interceptor itself is
 played against real processes in tests/test_trust_attacks.py and in-process in
 tests/test_session_capacity.py."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from duplex.errors import CapacityError, ErrorCode
-from session_service.admission import CallLedger, CallLimits
+from session_service.api.admission import CallLedger, CallLimits
 from session_service.config import ServiceConfig
 
 

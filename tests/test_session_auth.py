@@ -40,11 +40,11 @@ from duplex.errors import BadRequestError, DuplexError
 from duplex.stack import example_path
 from duplex.tls import ServerTLS
 from duplex.v1 import session_pb2, session_pb2_grpc
-from session_service.auth import JwksVerifier, TokenFile, parse_jwks, parse_token_file, token_digest
-from session_service.cli import config_from_args
+from session_service.api.cli import config_from_args
+from session_service.api.server import SessionServer
 from session_service.config import ServiceConfig
 from session_service.plugin import load_plugin
-from session_service.server import SessionServer
+from session_service.trust.auth import JwksVerifier, TokenFile, parse_jwks, parse_token_file, token_digest
 from tests.procs import REPO, start_service
 from tests.session_helpers import PARROT, InProcessStack, in_process_stack, sample, session_args
 
@@ -604,7 +604,7 @@ def test_a_token_is_compared_with_every_entry(tmp_path: Path, monkeypatch: pytes
         calls.append(1)
         return real(a, b)
 
-    monkeypatch.setattr("session_service.auth.hmac.compare_digest", counting)
+    monkeypatch.setattr("session_service.trust.auth.hmac.compare_digest", counting)
     for token, principal in (("token-p0", "p0"), ("token-p19", "p19"), ("nobody", None)):
         calls.clear()
         assert tokens.principal(token) == principal
@@ -616,7 +616,7 @@ def test_a_rotation_that_cannot_be_used_keeps_the_last_good_tokens(
 ) -> None:
     path = write_tokens(tmp_path / "tokens", {ALICE_TOKEN: "alice"})
     tokens = TokenFile(path, check_interval_s=0)
-    caplog.set_level(logging.INFO, "session_service.auth")
+    caplog.set_level(logging.INFO, "session_service.trust.auth")
     path.unlink()  # mid-rotation: gone for a moment
     assert tokens.principal(ALICE_TOKEN) == "alice"
     path.write_text(f"alice:{ALICE_TOKEN}\n")  # malformed
@@ -853,7 +853,7 @@ async def test_every_refusal_reaches_a_client_in_another_process_as_unauthentica
 
 
 def test_a_principal_longer_than_a_resume_token_can_carry_is_refused() -> None:
-    from session_service.auth import MAX_PRINCIPAL_BYTES, bounded_principal
+    from session_service.trust.auth import MAX_PRINCIPAL_BYTES, bounded_principal
 
     assert bounded_principal("p" * MAX_PRINCIPAL_BYTES) == "p" * MAX_PRINCIPAL_BYTES
     with pytest.raises(DuplexError) as err:

@@ -14,7 +14,7 @@ import pytest
 
 from duplex.errors import from_rpc_error
 from duplex.v1 import session_pb2, session_pb2_grpc
-from session_service.runner import SessionRunner
+from session_service.session.runner import SessionRunner
 from tests.fakes import ManualClock
 from tests.session_helpers import Conversation, FakeLink, drain, in_process_stack, open_event
 from tests.test_session_runner import make_runner
@@ -257,7 +257,7 @@ async def test_calls_beyond_the_bound_are_refused_before_any_handler(stack) -> N
 
 
 async def test_the_mailbox_is_bounded_by_bytes_not_only_by_count() -> None:
-    from session_service.mailbox import Mailbox
+    from session_service.session.mailbox import Mailbox
 
     box: Mailbox[str] = Mailbox(max_items=256, max_bytes=1000)
     assert box.put_nowait("a", 600)

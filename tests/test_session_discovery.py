@@ -35,8 +35,10 @@ from prometheus_client import REGISTRY
 from duplex.audio import PCM16K_MONO
 from duplex.tls import ClientTLS, ServerTLS
 from duplex.v1 import session_pb2
-from session_service.cli import config_from_args
-from session_service.discovery import (
+from session_service.api.cli import config_from_args
+from session_service.api.server import SessionServer
+from session_service.metrics import WORKER_STALLS
+from session_service.workers.discovery import (
     DiscoveryError,
     DnsResolver,
     DnsTarget,
@@ -45,10 +47,8 @@ from session_service.discovery import (
     WorkersSpecError,
     parse_workers,
 )
-from session_service.metrics import WORKER_STALLS
-from session_service.placement import WorkerPool, rendezvous_pick
-from session_service.server import SessionServer
-from session_service.worker_link import WorkerLink
+from session_service.workers.link import WorkerLink
+from session_service.workers.placement import WorkerPool, rendezvous_pick
 from tests.dns_server import dns_server
 from tests.session_helpers import (
     Conversation,
@@ -310,7 +310,7 @@ def test_one_link_per_worker_id_the_lowest_address_and_a_serving_one_is_never_cu
     low, high = pool.links["10.0.0.1:1"], pool.links["10.0.0.2:1"]
     # Both answer as worker-a; the higher one asks first but the lower one is up: it waits.
     low.worker_id = "worker-a"
-    with caplog.at_level("WARNING", logger="session_service.placement"):
+    with caplog.at_level("WARNING", logger="session_service.workers.placement"):
         assert not high.describe("worker-a")
         assert not high.describe("worker-a")  # asking again: logged once
     assert len([r for r in caplog.records if "stands by" in r.getMessage()]) == 1

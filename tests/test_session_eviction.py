@@ -19,12 +19,12 @@ import pytest
 
 from duplex.errors import DuplexError, ErrorCode, FencedError, UnavailableError
 from duplex.v1 import session_pb2, worker_pb2
-from session_service import resume
+from session_service.api.server import SessionServer
 from session_service.config import EvictionLimits
-from session_service.eviction import Evictor, PendingEvictions, Waiting
-from session_service.placement import WorkerPool, rendezvous_pick, rendezvous_rank
-from session_service.resume import ResumeKeys
-from session_service.server import SessionServer
+from session_service.trust import resume_tokens as resume
+from session_service.trust.resume_tokens import ResumeKeys
+from session_service.workers.eviction import Evictor, PendingEvictions, Waiting
+from session_service.workers.placement import WorkerPool, rendezvous_pick, rendezvous_rank
 from tests.fakes import ManualClock
 from tests.session_helpers import Conversation, open_event, sample, session_server, worker_server
 from tests.test_session_orphans import Proxy

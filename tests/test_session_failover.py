@@ -43,12 +43,12 @@ from duplex.audio import PCM16K_MONO, decode, encode
 from duplex.errors import BadRequestError, DuplexError, ErrorCode, FencedError, UnavailableError
 from duplex.serving import split_host_port
 from duplex.v1 import common_pb2, session_pb2, worker_pb2, worker_pb2_grpc
-from session_service.liveness import Liveness
-from session_service.placement import WorkerPool, rendezvous_pick, rendezvous_rank
+from session_service.api.server import SessionServer
 from session_service.plugins.parrot import ParrotPlugin
-from session_service.runner import WorkerHandle
-from session_service.server import SessionServer
-from session_service.worker_link import WorkerLink
+from session_service.session.runner import WorkerHandle
+from session_service.workers.link import WorkerLink
+from session_service.workers.liveness import Liveness
+from session_service.workers.placement import WorkerPool, rendezvous_pick, rendezvous_rank
 from tests.fakes import ManualClock
 from tests.procs import ServiceProcess, start_all
 from tests.session_helpers import (

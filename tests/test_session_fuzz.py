@@ -58,7 +58,7 @@ from hypothesis.stateful import (
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, encode, resample
 from duplex.errors import ErrorCode
 from duplex.v1 import common_pb2, session_pb2
-from session_service.settings import MAX_EXTRA_BODY_DEPTH
+from session_service.session.settings import MAX_EXTRA_BODY_DEPTH
 from tests.fuzz_helpers import BAD_STATUSES, KNOWN_CODES, VOICES, HealthyTalker, story, turn_problems
 from tests.session_helpers import Conversation, InProcessStack, in_process_stack, open_event, sample
 

@@ -2,7 +2,7 @@
 nesting, huge strings, wrong types, modalities the model cannot produce, instructions too long
 for a resume token, and the output format's default.
 
-At three levels: the wire settings (``session_service.settings``) and ``SessionManager`` (opens,
+At three levels: the wire settings (``session_service.session.settings``) and ``SessionManager`` (opens,
 call-ending: INVALID_ARGUMENT), one runner with a fake worker link (later events: an ``error``
 event, the session goes on), and end to end against the in-process stack. A client value quoted
 in a message is bounded and escaped (``duplex.errors.echo``), so a status always fits in the
@@ -34,23 +34,23 @@ from duplex.errors import (
     to_rpc_status,
 )
 from duplex.v1 import session_pb2
-from session_service import resume
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugin import Capabilities, DuplexModelPlugin
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.plugins.synthetic import SyntheticPlugin
-from session_service.resume import ResumeKeys
-from session_service.routing import SessionRegistry
-from session_service.runner import RunnerDeps, SessionRunner, WorkerHandle
-from session_service.sessions import SessionManager
-from session_service.settings import (
+from session_service.session.manager import SessionManager
+from session_service.session.runner import RunnerDeps, SessionRunner, WorkerHandle
+from session_service.session.settings import (
     MAX_EXTRA_BODY_DEPTH,
     MAX_INSTRUCTIONS_BYTES,
     instructions_size,
     settings_from_proto,
     struct_to_dict,
 )
-from session_service.worker_link import MAX_WORKER_ID_LENGTH
+from session_service.trust import resume_tokens as resume
+from session_service.trust.resume_tokens import ResumeKeys
+from session_service.workers.link import MAX_WORKER_ID_LENGTH
+from session_service.workers.step_routing import SessionRegistry
 from tests.fakes import ManualClock
 from tests.session_helpers import Conversation, FakeLink, InProcessStack, drain
 

@@ -21,7 +21,7 @@ import pytest
 from benchmarks import loadgen
 from duplex.audio import PCM16K_MONO
 from duplex.v1 import session_pb2, session_pb2_grpc
-from session_service import calls, lanes
+from session_service.api import calls, lanes
 from tests.session_helpers import (
     Conversation,
     InProcessStack,

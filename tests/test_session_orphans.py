@@ -23,11 +23,11 @@ import pytest
 
 from duplex.errors import CapacityError, DuplexError, ErrorCode, UnavailableError
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
-from session_service import worker_link as worker_link_module
-from session_service.placement import WorkerPool
 from session_service.plugins.parrot import ParrotPlugin
-from session_service.routing import Router, SessionRegistry
-from session_service.worker_link import WorkerLink
+from session_service.workers import link as worker_link_module
+from session_service.workers.link import WorkerLink
+from session_service.workers.placement import WorkerPool
+from session_service.workers.step_routing import Router, SessionRegistry
 from tests.procs import start_service
 from tests.session_helpers import (
     Conversation,
@@ -446,7 +446,7 @@ async def _place(outcome: Callable[[_PlaceLink], int | DuplexError]) -> tuple[_P
 
 
 async def test_placement_failures_name_no_worker(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("WARNING", logger="session_service.placement")
+    caplog.set_level("WARNING", logger="session_service.workers.placement")
     got = await _place(lambda _l: _unreachable())
     assert isinstance(got, DuplexError) and (got.code, got.retryable) == ("worker_unavailable", True)
     assert_no_leak(got.message)

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from duplex.v1 import session_pb2
-from session_service.ack_window import Ack
-from session_service.emitter import Emitter
-from session_service.outbound import Outbound, OutboundOverflow
+from session_service.session.ack_window import Ack
+from session_service.session.emitter import Emitter
+from session_service.session.outbound import Outbound, OutboundOverflow
 from tests.fakes import ManualClock
 
 
@@ -137,7 +137,7 @@ async def _displaced_while_writing(out: Outbound) -> tuple[int, list[int]]:
 async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_and_ending_releases_the_new_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("session_service.outbound.HANDOVER_TIMEOUT_S", 0.05)
+    monkeypatch.setattr("session_service.session.outbound.HANDOVER_TIMEOUT_S", 0.05)
     out = Outbound(lambda: 1)
     new, cut = await _displaced_while_writing(out)
     # Its client stopped reading: the write never finishes. The new stream goes on after the
@@ -262,7 +262,7 @@ async def test_a_taking_stream_resumed_elsewhere_waits_for_the_displaced_one_s_w
 async def test_a_displaced_stream_stuck_in_a_write_is_cut_off_for_a_taking_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("session_service.outbound.HANDOVER_TIMEOUT_S", 0.05)
+    monkeypatch.setattr("session_service.session.outbound.HANDOVER_TIMEOUT_S", 0.05)
     out = Outbound(lambda: 1)
     new, cut = await _displaced_while_writing(out)
     ready = asyncio.Event()

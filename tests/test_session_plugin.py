@@ -13,7 +13,6 @@ import pytest
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, encode
 from duplex.errors import DuplexError, ErrorCode
 from duplex.v1 import common_pb2, worker_pb2
-from session_service.placement import rendezvous_pick, rendezvous_rank
 from session_service.plugin import (
     FramePacketizer,
     PcmDataPlane,
@@ -22,7 +21,8 @@ from session_service.plugin import (
     load_plugin,
 )
 from session_service.plugins.parrot import ParrotPlugin, ParrotSampling
-from session_service.resume import ResumeKeys, resume_token, verify_resume_token
+from session_service.trust.resume_tokens import ResumeKeys, resume_token, verify_resume_token
+from session_service.workers.placement import rendezvous_pick, rendezvous_rank
 
 # ---- loader ---------------------------------------------------------------------------------
 

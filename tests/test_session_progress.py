@@ -21,14 +21,14 @@ from duplex.audio import PCM16K_MONO
 from duplex.errors import DuplexError, ErrorCode
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
-from session_service import resume
-from session_service.auth import ANONYMOUS
 from session_service.config import RunnerConfig, ServiceConfig
 from session_service.plugins.parrot import ParrotPlugin
-from session_service.resume import ResumeClaims, ResumeKeys, SessionProgress
-from session_service.routing import SessionRegistry
-from session_service.runner import SessionRunner, WorkerHandle
-from session_service.sessions import MAX_EVENTS_AHEAD, SessionManager
+from session_service.session.manager import MAX_EVENTS_AHEAD, SessionManager
+from session_service.session.runner import SessionRunner, WorkerHandle
+from session_service.trust import resume_tokens as resume
+from session_service.trust.auth import ANONYMOUS
+from session_service.trust.resume_tokens import ResumeClaims, ResumeKeys, SessionProgress
+from session_service.workers.step_routing import SessionRegistry
 from tests.fakes import ManualClock
 from tests.session_helpers import FakeLink, drain
 

@@ -1,6 +1,6 @@
 """A turn survives its worker, in process with fake links (no processes).
 
-- ``ReplayLog`` (``session_service.replay``): what it keeps of a session's input, where commit
+- ``ReplayLog`` (``session_service.session.replay``): what it keeps of a session's input, where commit
   markers go, what an answered response, a CLEAR, a new epoch and the bound drop, and how a
   replay is planned (merged APPENDs, ``replay`` flags, explicit COMMITs in place).
 - ``SessionRunner``: a worker lost mid-response ends the response ``failed/worker_unavailable``
@@ -18,8 +18,8 @@ from duplex.errors import ErrorCode, UnavailableError
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
-from session_service.replay import Chunk, Marker, ReplayAppend, ReplayLog
-from session_service.runner import RECOVER_DELAYS_S, SessionRunner, WorkerHandle
+from session_service.session.replay import Chunk, Marker, ReplayAppend, ReplayLog
+from session_service.session.runner import RECOVER_DELAYS_S, SessionRunner, WorkerHandle
 from tests.fakes import ManualClock
 from tests.session_helpers import FakeLink, drain, unit_runner
 

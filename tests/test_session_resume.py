@@ -23,15 +23,15 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat
 from duplex.errors import DuplexError, ErrorCode
 from duplex.v1 import session_pb2, worker_pb2
-from session_service import resume
-from session_service.auth import ANONYMOUS
 from session_service.config import ServiceConfig
 from session_service.plugin import Capabilities, SessionSettings, TurnDetection
 from session_service.plugins.parrot import ParrotPlugin
-from session_service.resume import ResumeKeys
-from session_service.routing import SessionRegistry
-from session_service.runner import SessionRunner, WorkerHandle
-from session_service.sessions import SessionManager
+from session_service.session.manager import SessionManager
+from session_service.session.runner import SessionRunner, WorkerHandle
+from session_service.trust import resume_tokens as resume
+from session_service.trust.auth import ANONYMOUS
+from session_service.trust.resume_tokens import ResumeKeys
+from session_service.workers.step_routing import SessionRegistry
 from tests.session_helpers import FakeLink
 from tests.session_helpers import drain as events
 
@@ -588,7 +588,7 @@ def test_client_extra_body_reflects_the_runtime_config_without_private_or_unset_
 def test_resume_keys_come_from_the_environment_never_argv(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from session_service.cli import config_from_args
+    from session_service.api.cli import config_from_args
 
     base = ["--workers", "127.0.0.1:1", "--listen", "127.0.0.1:0"]
     monkeypatch.delenv("DUPLEX_RESUME_SECRET", raising=False)

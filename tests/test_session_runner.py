@@ -14,8 +14,8 @@ from duplex.errors import ErrorCode
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
-from session_service.response import InputTimeline, SilenceFeeder
-from session_service.runner import DEADLINE_LOOK_S, SessionRunner
+from session_service.session.response import InputTimeline, SilenceFeeder
+from session_service.session.runner import DEADLINE_LOOK_S, SessionRunner
 from tests.fakes import ManualClock
 from tests.session_helpers import FakeLink, drain, unit_runner
 
@@ -486,7 +486,7 @@ def _step(req_ids: list[str], n_audio: int, *, sparse: bool = True) -> worker_pb
 
 
 def test_router_routes_by_request_and_fails_closed() -> None:
-    from session_service.routing import Router, SessionRegistry
+    from session_service.workers.step_routing import Router, SessionRegistry
 
     link = FakeLink()
     reg = SessionRegistry()

@@ -1,4 +1,4 @@
-"""Wire settings to domain settings (``session_service.settings``): defaults, inheritance, bounds."""
+"""Wire settings to domain settings (``session_service.session.settings``): defaults, inheritance, bounds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat
 from duplex.errors import BadEventError, ErrorCode
 from duplex.v1 import session_pb2
 from session_service.plugin import TurnDetection
-from session_service.settings import (
+from session_service.session.settings import (
     MAX_EXTRA_BODY_BYTES,
     MAX_SILENCE_MS,
     MIN_SILENCE_MS,

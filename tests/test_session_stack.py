@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, StreamConverter, decode, encode
 from duplex.cli import main
 from duplex.v1 import common_pb2, session_pb2, session_pb2_grpc
-from session_service.placement import rendezvous_pick
+from session_service.workers.placement import rendezvous_pick
 from tests.procs import start_service
 from tests.session_helpers import (
     Conversation,

@@ -10,7 +10,7 @@ import pytest
 
 from duplex.v1 import worker_pb2
 from session_service.plugins.parrot import ParrotPlugin
-from session_service.worker_link import WorkerLink
+from session_service.workers.link import WorkerLink
 
 
 class _Recorder:
@@ -85,7 +85,7 @@ async def test_without_a_window_the_link_keeps_no_record_of_who_submits() -> Non
 
 
 def test_the_write_window_flag_is_bounded() -> None:
-    from session_service.cli import config_from_args
+    from session_service.api.cli import config_from_args
 
     base = ["--plugin", "session_service.plugins.parrot:ParrotPlugin", "--workers", "127.0.0.1:1"]
     assert config_from_args(base).worker_write_coalesce_ms == 2.0

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from duplex.sparse import reset_sparse_log_state
 from duplex.v1 import common_pb2, worker_pb2
-from session_service.sparse_router import RoutedStep, route_step
+from session_service.workers.sparse_check import RoutedStep, route_step
 from tests.sparse_helpers import all_fail_closed, unknown
 from worker_service.sparse_adapter import adapt_multimodal_outputs
 

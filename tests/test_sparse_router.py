@@ -9,7 +9,7 @@ import pytest
 
 from duplex.sparse import FailClosedReporter, SparseCause, reset_sparse_log_state
 from duplex.v1 import common_pb2, worker_pb2
-from session_service.sparse_router import RoutedStep, route_step
+from session_service.workers.sparse_check import RoutedStep, route_step
 from tests.sparse_helpers import all_fail_closed, fail_closed, invalid, pcm, unknown
 
 AUDIO = worker_pb2.OUTPUT_TYPE_AUDIO

@@ -25,7 +25,7 @@ from session_service.plugin import (
 )
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.plugins.synthetic import SyntheticPlugin, SyntheticSampling
-from session_service.runner import RunnerDeps, SessionRunner
+from session_service.session.runner import RunnerDeps, SessionRunner
 from tests.session_helpers import FakeLink, drain
 from worker_service.models.synthetic import SyntheticModel, SyntheticOptions
 
@@ -254,8 +254,8 @@ async def _fake_placer(session_id: str, epoch: int, takeover: bool):  # type: ig
 
 def _manager(plugin: ParrotPlugin):  # type: ignore[no-untyped-def]
     from session_service.config import ServiceConfig
-    from session_service.routing import SessionRegistry
-    from session_service.sessions import SessionManager
+    from session_service.session.manager import SessionManager
+    from session_service.workers.step_routing import SessionRegistry
 
     cfg = ServiceConfig(plugin="x", workers=("fake:1",))
     return SessionManager(plugin=plugin, config=cfg, registry=SessionRegistry(), placer=_fake_placer)

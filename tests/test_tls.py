@@ -170,7 +170,7 @@ def test_a_missing_file_is_a_configuration_error_not_a_crash(tmp_path: Path) -> 
 
 
 def test_the_session_cli_refuses_unreadable_worker_tls_files_in_one_line(tmp_path: Path, capsys) -> None:
-    from session_service.cli import main
+    from session_service.api.cli import main
 
     code = main(["--workers", "127.0.0.1:1", "--worker-tls-ca", str(tmp_path / "nowhere.crt")])
     err = capsys.readouterr().err

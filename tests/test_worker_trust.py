@@ -25,7 +25,7 @@ from duplex.cli import main
 from duplex.errors import DuplexError, ErrorCode, NotFoundError, from_rpc_error
 from duplex.tls import ChannelCredentials, ClientTLS, ServerTLS
 from duplex.v1 import session_pb2, worker_pb2, worker_pb2_grpc
-from session_service.placement import WorkerPool
+from session_service.workers.placement import WorkerPool
 from tests.session_helpers import (
     Conversation,
     open_event,
@@ -651,7 +651,7 @@ def test_refusal_reasons_are_precreated() -> None:
 
 
 def test_session_worker_tls_flags_make_the_config(pki: Pki) -> None:
-    from session_service.cli import config_from_args as session_config
+    from session_service.api.cli import config_from_args as session_config
 
     tls = pki.client("replica-a")
     assert tls.cert is not None and tls.key is not None

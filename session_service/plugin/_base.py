@@ -94,7 +94,7 @@ class DuplexModelPlugin(ABC):
         """Raise ``RuntimeConfigError`` (private keys: code ``private_runtime_key``).
 
         ``extra_body`` is plain JSON already bounded by the session service: at most 16 KiB
-        encoded and 16 levels deep, numbers finite floats (``session_service.settings``). Quote
+        encoded and 16 levels deep, numbers finite floats (``session_service.session.settings``). Quote
         client values in a message only through ``duplex.errors.echo`` (bounded, escaped). What
         this accepts travels in the session's resume token (8192 characters for everything,
         instructions up to 4 KiB of it): accept small options, or opens fail ``invalid_config``."""

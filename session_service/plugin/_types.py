@@ -63,7 +63,7 @@ class TurnDetection:
 @dataclass(frozen=True, slots=True)
 class SessionSettings:
     """The client-visible settings of one session (the domain form of ``SessionConfig``;
-    ``session_service.settings`` converts the wire form)."""
+    ``session_service.session.settings`` converts the wire form)."""
 
     input_format: PcmFormat
     """Format of client appends."""

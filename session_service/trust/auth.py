@@ -15,7 +15,7 @@ principal, even over mutual TLS; without one, the certificate does. The files ar
 they change (checked at most once a second); a file that cannot be read or parsed mid-rotation
 keeps the last good contents.
 
-``Authenticator.admit`` is what ``session_service.admission.AdmissionInterceptor`` asks before
+``Authenticator.admit`` is what ``session_service.api.admission.AdmissionInterceptor`` asks before
 any handler runs (an unauthenticated call is refused with ``UNAUTHENTICATED`` /
 ``unauthenticated``; the health service stays open); ``Authenticator.principal_of`` is what the
 servicer asks for the principal.

@@ -7,9 +7,9 @@ worker moves only its sessions, and a worker that comes back under its id (a res
 a new address) takes back the same sessions. A worker whose ``Describe`` has not answered is
 not placeable.
 
-``WorkerPool`` holds the links (``session_service.worker_link`` in the service; anything that
+``WorkerPool`` holds the links (``session_service.workers.link`` in the service; anything that
 is a ``PlacementLink`` in a test), keyed by address; ``update`` changes that set while the
-service runs (``session_service.discovery``): a new address gets a link, a removed one's link
+service runs (``session_service.workers.discovery``): a new address gets a link, a removed one's link
 is closed (its sessions get ``worker_unavailable`` and move at their next turn, as for a lost
 worker). It attaches a session on its rendezvous choice, the next one when a worker does not
 answer or has no room; a resumed session tries the worker its token names first

@@ -18,7 +18,7 @@ from typing import Any
 from duplex.clock import Clock
 from duplex.v1 import session_pb2
 from session_service.plugin import ResponseProjection
-from session_service.replay import Marker
+from session_service.session.replay import Marker
 
 #: The least a client may fall behind real time before silence is fed in its place.
 MIN_ALLOWANCE_S = 0.1

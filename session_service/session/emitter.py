@@ -1,7 +1,7 @@
 """The one place a session's server events are numbered and queued for its client.
 
 Every event goes through ``Emitter`` onto the session's single outbound queue
-(``session_service.outbound``), so event ids are numbered in one place and nothing can
+(``session_service.session.outbound``), so event ids are numbered in one place and nothing can
 overtake ``audio_cancelled``. Response output (audio and transcript deltas) is queued bound to
 its epoch, so the queue drops it once the epoch moves on.
 """
@@ -14,9 +14,9 @@ from typing import Any
 from duplex.clock import Clock
 from duplex.errors import DuplexError
 from duplex.v1 import session_pb2
-from session_service.ack_window import Ack
 from session_service.metrics import CARRIED_ACKS, ERRORS_BY_CODE, LATENCY_ACK
-from session_service.outbound import Outbound
+from session_service.session.ack_window import Ack
+from session_service.session.outbound import Outbound
 
 
 class Emitter:

@@ -33,8 +33,8 @@ import grpc
 
 from duplex.errors import CapacityError, DuplexError, ErrorCode, UnauthenticatedError, abort, to_rpc_status
 from duplex.serving import peer_host
-from session_service.auth import OPEN_METHOD_PREFIXES, Authenticator
 from session_service.metrics import CALLS, ERRORS_BY_CODE
+from session_service.trust.auth import OPEN_METHOD_PREFIXES, Authenticator
 
 #: How long a refused streaming call may take to send its first message before the refusal.
 FIRST_MESSAGE_WAIT_S: Final = 1.0

@@ -2,7 +2,7 @@
 
 A resume either re-binds the stream to the live runner of this replica or takes the session
 over from another one, rebuilding its settings and runtime config from the signed resume token
-(see ``session_service.resume``). Resumes of one session id are serialized: a second resume
+(see ``session_service.trust.resume_tokens``). Resumes of one session id are serialized: a second resume
 that arrives while the first is taking the session over waits for it and then re-binds to the
 runner it created, so a replica never holds two runners of one session.
 
@@ -10,7 +10,7 @@ Every token names the worker the session lives on (``ResumeClaims.worker_id``): 
 once the session is placed, and refreshed when the session has moved. A takeover attaches the
 session on that worker first (``prefer``), so the takeover fences the previous owner out where
 the session lives; only when that worker is not healthy here does it move, and the placer then
-evicts it from the old worker (``session_service.eviction``).
+evicts it from the old worker (``session_service.workers.eviction``).
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ from duplex.errors import (
     echo,
 )
 from duplex.v1 import session_pb2
-from session_service.auth import ANONYMOUS
 from session_service.config import ServiceConfig
 from session_service.metrics import ACTIVE_SESSIONS
 from session_service.plugin import DuplexModelPlugin, SessionSettings
-from session_service.resume import (
+from session_service.session.runner import ENDED_FOR_GOOD, RunnerDeps, SessionRunner, WorkerHandle
+from session_service.session.settings import settings_from_proto, struct_to_dict
+from session_service.trust.auth import ANONYMOUS
+from session_service.trust.resume_tokens import (
     DEFAULT_MAX_AGE_S,
     InvalidResumeTokenError,
     ResumeClaims,
@@ -56,9 +58,7 @@ from session_service.resume import (
     decode,
     issue,
 )
-from session_service.routing import SessionRegistry
-from session_service.runner import ENDED_FOR_GOOD, RunnerDeps, SessionRunner, WorkerHandle
-from session_service.settings import settings_from_proto, struct_to_dict
+from session_service.workers.step_routing import SessionRegistry
 
 log = logging.getLogger(__name__)
 

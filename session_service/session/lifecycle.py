@@ -2,7 +2,7 @@
 
 A runner's condition is the product of a few small, independent state machines; each is an
 enum here so that a reader (and a log line) sees which one, and the transitions are named
-where they happen in ``session_service.runner``:
+where they happen in ``session_service.session.runner``:
 
 - ``SessionStatus``: OPEN → CLOSED, on close (client, idle, drain, fenced, slow consumer).
 - ``InputStatus``: OPEN → ABANDONED when an append is lost with its write; back to OPEN on
@@ -16,7 +16,7 @@ where they happen in ``session_service.runner``:
 - ``OptionsStatus``: PENDING → CURRENT when a submission carries the session's model options;
   back to PENDING on an update, a new placement or a failed write.
 
-The response is not an enum but an object (``session_service.response.ActiveResponse``) that
+The response is not an enum but an object (``session_service.session.response.ActiveResponse``) that
 exists exactly while a response is active.
 """
 

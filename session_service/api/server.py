@@ -31,17 +31,17 @@ from duplex.serving import (
 )
 from duplex.tls import ChannelCredentials, server_credentials
 from duplex.v1 import session_pb2_grpc
-from session_service.admission import AdmissionInterceptor, CallLedger, CallLimits
-from session_service.auth import authenticator_for
+from session_service.api.admission import AdmissionInterceptor, CallLedger, CallLimits
+from session_service.api.servicer import SERVICE_NAME, DuplexSessionServicer
 from session_service.config import ServiceConfig
-from session_service.discovery import DnsTarget, WorkerDiscovery, parse_workers
-from session_service.eviction import Evictor
-from session_service.placement import WorkerPool
 from session_service.plugin import DuplexModelPlugin
-from session_service.routing import Router, SessionRegistry
-from session_service.servicer import SERVICE_NAME, DuplexSessionServicer
-from session_service.sessions import SessionManager
-from session_service.worker_link import WorkerLink
+from session_service.session.manager import SessionManager
+from session_service.trust.auth import authenticator_for
+from session_service.workers.discovery import DnsTarget, WorkerDiscovery, parse_workers
+from session_service.workers.eviction import Evictor
+from session_service.workers.link import WorkerLink
+from session_service.workers.placement import WorkerPool
+from session_service.workers.step_routing import Router, SessionRegistry
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class SessionServer:
         # config; anything bigger is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
         # Authentication is one interceptor in front of every service but health: a call
         # without valid credentials is refused before its handler runs (no session state).
-        # Calls are counted where they cost (session_service.admission): per principal, in all,
+        # Calls are counted where they cost (session_service.api.admission): per principal, in all,
         # and refused ones per peer address, each refused with too_many_calls beyond its bound
         # (not gRPC's own maximum_concurrent_rpcs, which counts every caller alike and refuses
         # with a bare status). Streams per connection are bounded by gRPC.

@@ -54,8 +54,8 @@ from duplex.errors import DuplexError
 from duplex.v1 import common_pb2, worker_pb2
 from session_service.config import EvictionLimits
 from session_service.metrics import EVICTIONS, EVICTIONS_PENDING
-from session_service.placement import PlacementLink, WorkerPool
-from session_service.routing import SessionRegistry
+from session_service.workers.placement import PlacementLink, WorkerPool
+from session_service.workers.step_routing import SessionRegistry
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ MAX_EXTRA_BODY_DEPTH = 16
 #: Largest ``instructions``: bytes of their JSON string encoding in UTF-8, what the resume
 #: token stores (``"``, ``\`` and control characters count as their escapes: ``\n`` 2 bytes,
 #: ``\u0000`` 6). With it, a session's whole state fits in a resume token
-#: (``session_service.resume.MAX_TOKEN_CHARS``) for principals of up to 1 KiB and the longest
+#: (``session_service.trust.resume_tokens.MAX_TOKEN_CHARS``) for principals of up to 1 KiB and the longest
 #: worker ids; tests hold a maximal session to that.
 MAX_INSTRUCTIONS_BYTES = 4096
 

@@ -1,6 +1,6 @@
 """Worker output meets the session: every epoch/turn comparison, and why output is dropped.
 
-The router (``session_service.routing``) hands each session its share of a worker step
+The router (``session_service.workers.step_routing``) hands each session its share of a worker step
 synchronously; ``WorkerOutput.handle`` applies it to the session without awaiting anything, so
 a cancel (which also runs without awaiting) and this never interleave. Updates are applied
 first (VAD, consumption, turn ends, text), then audio, then completions: a barge-in heard in a
@@ -39,15 +39,15 @@ from typing import TYPE_CHECKING, Protocol
 from duplex.clock import Clock
 from duplex.errors import BadEventError, ErrorCode, WorkerErrorCode
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
-from session_service.lifecycle import SpeechStatus
 from session_service.metrics import DROPPED, LATENCY_FIRST_AUDIO
 from session_service.plugin import DuplexModelPlugin, OutputAction, SessionSettings
+from session_service.session.lifecycle import SpeechStatus
 
 if TYPE_CHECKING:
-    from session_service.ack_window import AckWindow
-    from session_service.emitter import Emitter
-    from session_service.replay import ReplayLog
-    from session_service.response import ActiveResponse
+    from session_service.session.ack_window import AckWindow
+    from session_service.session.emitter import Emitter
+    from session_service.session.replay import ReplayLog
+    from session_service.session.response import ActiveResponse
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ connection up, so HTTP/2 keepalive would notice it only after tens of seconds. E
 therefore keeps a ``Liveness`` record of what the worker owes it (per request: APPENDs written
 but not yet reported consumed through ``RequestUpdate.input_seq``, a COMMIT awaiting its answer,
 a RESPOND of a free-running model awaiting its first step) and when it last sent a
-``StepOutput``. The link's watchdog (``session_service.worker_link``) polls ``quiet_for``; a link
+``StepOutput``. The link's watchdog (``session_service.workers.link``) polls ``quiet_for``; a link
 that owes nothing is never stalled, however long it is quiet.
 """
 

@@ -33,7 +33,7 @@ import grpc
 
 from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, InternalError
 from duplex.v1 import session_pb2
-from session_service.calls import (
+from session_service.api.calls import (
     MAX_REFUSED_BEFORE_OPEN,
     CallCut,
     close_if_current,
@@ -47,8 +47,8 @@ from session_service.calls import (
     unparsable,
 )
 from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN, LANES
-from session_service.runner import SessionRunner
-from session_service.sessions import SessionManager
+from session_service.session.manager import SessionManager
+from session_service.session.runner import SessionRunner
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ else is answered with a ``session_not_open`` error event). After that a reader t
 session's mailbox while this handler writes the session's one outbound queue to the stream
 (``context.write``). A dropped stream leaves the runner alive for a resume for the detached
 grace; a half-closed stream closes the session. ``ConverseMany`` holds many sessions of one
-caller on one stream (``session_service.lanes``).
+caller on one stream (``session_service.api.lanes``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import grpc
 
 from duplex.errors import BadRequestError, DuplexError, ErrorCode, FencedError, abort
 from duplex.v1 import session_pb2, session_pb2_grpc
-from session_service.auth import PrincipalOf, anonymous
-from session_service.calls import (
+from session_service.api.calls import (
     MAX_REFUSED_BEFORE_OPEN,
     CallCut,
     close_if_current,
@@ -34,10 +33,11 @@ from session_service.calls import (
     unparsable,
     write_message,
 )
-from session_service.lanes import LaneStream
+from session_service.api.lanes import LaneStream
 from session_service.metrics import ERRORS_BY_CODE, EVENTS_IN, STREAMS
-from session_service.runner import SessionRunner
-from session_service.sessions import SessionManager
+from session_service.session.manager import SessionManager
+from session_service.session.runner import SessionRunner
+from session_service.trust.auth import PrincipalOf, anonymous
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
         request_iterator: AsyncIterator[session_pb2.ClientBatch],
         context: grpc.aio.ServicerContext[session_pb2.ClientBatch, session_pb2.ServerBatch],
     ) -> None:
-        """Many sessions of one caller on one stream (``session_service.lanes``)."""
+        """Many sessions of one caller on one stream (``session_service.api.lanes``)."""
         STREAMS.inc()
         try:
             try:

@@ -2,7 +2,7 @@
 
 Client events are processed strictly in order by one asyncio task consuming a bounded
 mailbox. Worker outputs arrive from the router synchronously (``on_output``, applied by
-``session_service.worker_output``) and are checked against the fence and queued for the client
+``session_service.session.worker_output``) and are checked against the fence and queued for the client
 without any await in between; a cancel (which also runs without awaiting) advances the epoch
 and purges the session's one outbound queue in one go, so no audio of a cancelled epoch or an
 older turn can reach the client after ``audio_cancelled``.
@@ -30,18 +30,7 @@ from duplex.clock import MONOTONIC, Clock
 from duplex.errors import BadEventError, DuplexError, ErrorCode, InternalError, UnavailableError
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
-from session_service.ack_window import Ack, AckWindow
-from session_service.auth import ANONYMOUS
 from session_service.config import RunnerConfig
-from session_service.emitter import Emitter
-from session_service.lifecycle import (
-    InputStatus,
-    OptionsStatus,
-    SeqStatus,
-    SessionStatus,
-    TurnStatus,
-)
-from session_service.mailbox import Mailbox
 from session_service.metrics import (
     DROPPED,
     EVENTS_IN,
@@ -52,7 +41,6 @@ from session_service.metrics import (
     SILENCE_FRAMES,
     WORKER_SESSIONS,
 )
-from session_service.outbound import Outbound, OutboundOverflow
 from session_service.plugin import (
     Capabilities,
     DuplexModelPlugin,
@@ -60,11 +48,23 @@ from session_service.plugin import (
     ReplayStep,
     SessionSettings,
 )
-from session_service.replay import Marker, ReplayLog
-from session_service.response import ActiveResponse, InputTimeline, SilenceFeeder
-from session_service.resume import SessionProgress
-from session_service.settings import settings_from_proto, struct_to_dict
-from session_service.worker_output import DropReason, WorkerOutput
+from session_service.session.ack_window import Ack, AckWindow
+from session_service.session.emitter import Emitter
+from session_service.session.lifecycle import (
+    InputStatus,
+    OptionsStatus,
+    SeqStatus,
+    SessionStatus,
+    TurnStatus,
+)
+from session_service.session.mailbox import Mailbox
+from session_service.session.outbound import Outbound, OutboundOverflow
+from session_service.session.replay import Marker, ReplayLog
+from session_service.session.response import ActiveResponse, InputTimeline, SilenceFeeder
+from session_service.session.settings import settings_from_proto, struct_to_dict
+from session_service.session.worker_output import DropReason, WorkerOutput
+from session_service.trust.auth import ANONYMOUS
+from session_service.trust.resume_tokens import SessionProgress
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class SessionRunner:
         wfmt = plugin.worker_format
         window = int(plugin.replay_window_s * wfmt.sample_rate_hz) * wfmt.frame_bytes
         self.replay = ReplayLog(max_bytes=max(self._frame_bytes, min(window, cfg.max_buffer_bytes)))
-        """The current turn's input, kept to rebuild it on another worker (``session_service.replay``)."""
+        """The current turn's input, kept to rebuild it on another worker (``session.replay``)."""
         self._restart: _Restart | None = None
         """A response interrupted by the loss of its worker (or replica), to restart for its turn."""
         self._left: list[WorkerHandle] = []
@@ -982,7 +982,7 @@ class SessionRunner:
         payload: common_pb2.AudioPayload | None,
         updates: Sequence[worker_pb2.RequestUpdate],
     ) -> None:
-        """One step's news for this session (see ``session_service.worker_output``)."""
+        """One step's news for this session (see ``session_service.session.worker_output``)."""
         if self.closed:
             DROPPED[DropReason.UNKNOWN_REQUEST].inc()
             return

@@ -11,14 +11,14 @@ from duplex.errors import BadRequestError, DuplexError, ErrorCode
 from duplex.serving import EVENT_LOOPS, event_loop_name, split_host_port
 from duplex.tls import ClientTLS, ServerTLS
 from session_service.config import RunnerConfig, ServiceConfig
-from session_service.discovery import (
+from session_service.plugin import load_plugin
+from session_service.trust.resume_tokens import DEFAULT_MAX_AGE_S, ResumeKeys
+from session_service.workers.discovery import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_RESOLVE_INTERVAL_S,
     WorkersSpecError,
     parse_workers,
 )
-from session_service.plugin import load_plugin
-from session_service.resume import DEFAULT_MAX_AGE_S, ResumeKeys
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -329,7 +329,7 @@ def check_trust(cfg: ServiceConfig) -> None:
     (a malformed line is named by its number), an unauthenticated API on anything but loopback
     without --insecure. Raises ``DuplexError`` (``invalid_config``)."""
     from duplex.tls import ChannelCredentials, server_credentials
-    from session_service.auth import authenticator_for
+    from session_service.trust.auth import authenticator_for
 
     authenticator_for(cfg, warn=False)  # the server warns when it starts
     if cfg.tls is not None:
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     except DuplexError as err:
         print(f"duplex session: {err.message}", file=sys.stderr)
         return 2
-    from session_service.server import run  # the server only once the arguments are good
+    from session_service.api.server import run  # the server only once the arguments are good
 
     return run(cfg, plugin)
 

@@ -11,7 +11,7 @@ With ``credentials`` (mutual TLS towards the workers) the channel is a TLS chann
 ``ChannelCredentials.current()``; a reconnect asks again and, when the certificate files changed
 (a rotated Secret), replaces the channel, so the next connection uses the new certificate.
 
-A watchdog task per stream polls the link's ``Liveness`` (``session_service.liveness``) a few
+A watchdog task per stream polls the link's ``Liveness`` (``session_service.workers.liveness``) a few
 times per stall timeout; when the worker has owed something and sent nothing for
 ``stall_timeout_s``, the link is lost exactly as if the stream had dropped, and reconnects with
 backoff, so a worker that resumes answering comes back.
@@ -51,9 +51,9 @@ from duplex.errors import ErrorCode, UnavailableError, from_rpc_error
 from duplex.serving import CHANNEL_OPTIONS
 from duplex.tls import ChannelCredentials
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from session_service.liveness import Liveness, WorkerStalledError
 from session_service.metrics import RELEASES_DROPPED, RELEASES_KEPT, WORKER_COMMAND_SIZE, WORKER_STALLS
 from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
+from session_service.workers.liveness import Liveness, WorkerStalledError
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from google.protobuf.message import DecodeError, Message
 
 from duplex.errors import CapacityError, DuplexError, ErrorCode, abort
 from duplex.v1 import session_pb2
-from session_service.auth import ANONYMOUS
 from session_service.metrics import ERRORS_BY_CODE
-from session_service.runner import SessionRunner
-from session_service.sessions import SessionManager
+from session_service.session.manager import SessionManager
+from session_service.session.runner import SessionRunner
+from session_service.trust.auth import ANONYMOUS
 
 log = logging.getLogger(__name__)
 
