@@ -49,7 +49,7 @@ from session_service.session.settings import (
 )
 from session_service.trust import resume_tokens as resume
 from session_service.trust.resume_tokens import ResumeKeys
-from session_service.workers.link import MAX_WORKER_ID_LENGTH
+from session_service.workers.placement import MAX_WORKER_ID_LENGTH
 from session_service.workers.step_routing import SessionRegistry
 from tests.fakes import ManualClock
 from tests.session_helpers import Conversation, FakeLink, InProcessStack, drain

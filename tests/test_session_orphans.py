@@ -24,7 +24,7 @@ import pytest
 from duplex.errors import CapacityError, DuplexError, ErrorCode, UnavailableError
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.plugins.parrot import ParrotPlugin
-from session_service.workers import link as worker_link_module
+from session_service.workers import kept_releases as kept_releases_module
 from session_service.workers.link import WorkerLink
 from session_service.workers.placement import WorkerPool
 from session_service.workers.step_routing import Router, SessionRegistry
@@ -283,7 +283,7 @@ async def test_a_release_issued_while_the_link_is_down_reaches_the_worker() -> N
 
 
 async def test_kept_releases_are_bounded_and_one_per_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_link_module, "MAX_KEPT_RELEASES", 3)
+    monkeypatch.setattr(kept_releases_module, "MAX_KEPT_RELEASES", 3)
     link = _link()
     try:
         dropped = sample(DROPPED)

@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,9 +51,11 @@ from duplex.errors import ErrorCode, UnavailableError, from_rpc_error
 from duplex.serving import CHANNEL_OPTIONS
 from duplex.tls import ChannelCredentials
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from session_service.metrics import RELEASES_DROPPED, RELEASES_KEPT, WORKER_COMMAND_SIZE, WORKER_STALLS
+from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS
 from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
+from session_service.workers.kept_releases import KeptReleases
 from session_service.workers.liveness import Liveness, WorkerStalledError
+from session_service.workers.placement import worker_key
 
 log = logging.getLogger(__name__)
 
@@ -67,31 +69,8 @@ _SENDERS_LOOK_S = 0.1
 #: Default stall timeout of a link (``ServiceConfig.worker_stall_timeout_s``); 0 turns it off.
 DEFAULT_STALL_TIMEOUT_S = 3.0
 
-#: Releases a link keeps while it has no stream (one per session; beyond it the oldest is
-#: dropped and counted: the next stream's reconciliation releases that session anyway). Four
-#: times a worker's default session limit.
-MAX_KEPT_RELEASES = 4096
-
 #: What a client is told when the session's worker cannot be reached; the details are logged.
 UNAVAILABLE_MESSAGE = "the session's worker is unavailable"
-
-#: Longest worker id a link accepts from ``Describe`` (as long as the worker's own ids).
-MAX_WORKER_ID_LENGTH = 128
-
-
-def worker_key(desc: worker_pb2.WorkerDescription, address: str) -> str:
-    """The id placement ranks a worker by: its ``worker_id``; a worker that reports none is
-    known by its address. Raises ``PluginLoadError`` for an id longer than
-    ``MAX_WORKER_ID_LENGTH`` or holding a control character."""
-    worker_id = desc.worker_id
-    if not worker_id:
-        return address
-    if len(worker_id) > MAX_WORKER_ID_LENGTH or not worker_id.isprintable():
-        raise PluginLoadError(
-            f"the worker's id is not usable (at most {MAX_WORKER_ID_LENGTH} printable characters): "
-            f"{worker_id[:MAX_WORKER_ID_LENGTH]!r}"
-        )
-    return worker_id
 
 
 def _always(link: WorkerLink, worker_id: str) -> bool:
@@ -182,8 +161,8 @@ class WorkerLink:
         """Counts Run streams opened: a session attached under one generation is not attached
         to the (possibly restarted) worker behind a later one."""
         self._pending = _Pending()
-        self._kept: OrderedDict[str, worker_pb2.Release] = OrderedDict()
-        """Releases waiting for a stream, by session id, oldest first (``MAX_KEPT_RELEASES``)."""
+        self._kept = KeptReleases()
+        """Releases waiting for a stream (``kept_releases``)."""
         self._attaching: Counter[str] = Counter()
         """Sessions with an Attach in flight on this link (reconciliation leaves them alone)."""
         self._wake = asyncio.Event()
@@ -262,28 +241,12 @@ class WorkerLink:
             self._pending.release.append(release)
             self._wake.set()
         else:
-            self._keep([release])
-
-    def _keep(self, releases: Sequence[worker_pb2.Release], *, count: bool = True) -> None:
-        """Keep releases for the next stream: one per session (a later one replaces an earlier
-        one, closed if either was), at most ``MAX_KEPT_RELEASES``, the oldest dropped first."""
-        kept = self._kept
-        for rel in releases:
-            sid = rel.fence.session_id
-            earlier = kept.pop(sid, None)
-            if earlier is not None and earlier.closed and not rel.closed:
-                rel = worker_pb2.Release(request_id=rel.request_id, fence=rel.fence, closed=True)
-            kept[sid] = rel
-            if count:
-                RELEASES_KEPT.inc()
-        while len(kept) > MAX_KEPT_RELEASES:
-            kept.popitem(last=False)
-            RELEASES_DROPPED.inc()
+            self._kept.keep([release])
 
     @property
     def kept_releases(self) -> list[str]:
         """The sessions whose releases wait for the next stream, oldest first."""
-        return list(self._kept)
+        return self._kept.session_ids()
 
     def attaching(self, session_id: str) -> bool:
         """Whether an Attach of the session is in flight on this link."""
@@ -292,7 +255,7 @@ class WorkerLink:
     def _forget_releases(self, session_id: str) -> None:
         """The session is being attached here again: an unsent release of it is out of date
         (sent after the Attach it would release the new attachment)."""
-        self._kept.pop(session_id, None)
+        self._kept.forget(session_id)
         pending = self._pending.release
         if pending:
             self._pending.release = [r for r in pending if r.fence.session_id != session_id]
@@ -373,19 +336,17 @@ class WorkerLink:
         call = self._stub.Run()
         # The releases kept while there was no stream go first, in the stream's first command:
         # the worker applies them before it lists what it holds for this replica.
-        kept = list(self._kept.values())
-        self._kept.clear()
+        kept = self._kept.take()
         try:
             await call.write(worker_pb2.WorkerCommand(owner=self.owner, release=kept))
         except BaseException:
-            self._keep([r for r in kept if r.fence.session_id not in self._kept], count=False)
+            self._kept.keep([r for r in kept if r.fence.session_id not in self._kept], count=False)
             raise
         self.generation += 1
         self.liveness.reset()
         self._healthy = True
         if self._kept:  # released while the first command was being written
-            self._pending.release.extend(self._kept.values())
-            self._kept.clear()
+            self._pending.release.extend(self._kept.take())
             self._wake.set()
         self._on_health()
         log.info(
@@ -493,7 +454,7 @@ class WorkerLink:
                 # the writers waiting on this command: their failure is a consequence, not news.
                 # Its releases are kept for the next stream (one that did arrive is ignored).
                 # What failed is logged where the stream's end is; the writers get no details.
-                self._keep(pending.release)
+                self._kept.keep(pending.release)
                 self._lose()
                 for fut in pending.futures:
                     if not fut.done():
@@ -520,7 +481,7 @@ class WorkerLink:
         self._healthy = False
         self._release(self)  # this link holds no stream: another address of its worker may
         pending, self._pending = self._pending, _Pending()
-        self._keep(pending.release)  # unsent: first thing on the next stream
+        self._kept.keep(pending.release)  # unsent: first thing on the next stream
         for fut in pending.futures:
             if not fut.done():
                 fut.set_exception(ConnectionError(UNAVAILABLE_MESSAGE))

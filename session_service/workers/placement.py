@@ -40,9 +40,30 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 
 from duplex.errors import CapacityError, DuplexError, ErrorCode, UnavailableError
+from duplex.v1 import worker_pb2
 from session_service.metrics import WORKER_LINKS, WORKER_SESSIONS, WORKER_STALLS, WORKERS_HEALTHY
+from session_service.plugin import PluginLoadError
 
 log = logging.getLogger(__name__)
+
+#: Longest worker id a link accepts from ``Describe`` (as long as the worker's own ids).
+MAX_WORKER_ID_LENGTH = 128
+
+
+def worker_key(desc: worker_pb2.WorkerDescription, address: str) -> str:
+    """The id placement ranks a worker by: its ``worker_id``; a worker that reports none is
+    known by its address. Raises ``PluginLoadError`` for an id longer than
+    ``MAX_WORKER_ID_LENGTH`` or holding a control character."""
+    worker_id = desc.worker_id
+    if not worker_id:
+        return address
+    if len(worker_id) > MAX_WORKER_ID_LENGTH or not worker_id.isprintable():
+        raise PluginLoadError(
+            f"the worker's id is not usable (at most {MAX_WORKER_ID_LENGTH} printable characters): "
+            f"{worker_id[:MAX_WORKER_ID_LENGTH]!r}"
+        )
+    return worker_id
+
 
 #: Attach outcomes that say "this worker did not answer" (try the next one), not "it refused".
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
