@@ -3,6 +3,7 @@ the CLI's refusal of a bad device (in this process: it refuses before starting a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import urllib.request
@@ -114,11 +115,25 @@ async def test_process_answers_reflection_and_a_scripted_parrot_conversation() -
             )
             msgs = await run.until(lambda m: any(u.turn_ended for u in m.updates), wait_s=30)
             committed = next(u.committed_samples for m in msgs for u in m.updates if u.turn_ended)
-            run.send(
-                sub("r1", "s1", RESPOND, turn=1),
-                sub("r1", "s1", APPEND, turn=1, seq=2, data=pcm(np.zeros((committed // FRAME + 40) * FRAME))),
+            # The parrot computes its reply off the engine thread and steps it in lockstep with
+            # input: frames stepped before the reply is ready carry none. All the silence sent
+            # at once could be stepped before a cold process's first pitch shift is done (seen:
+            # 54 of 100 frames), leaving too few to finish on. So silence goes as a client sends
+            # it, a few frames at a time, until the reply has started, then all it needs.
+            # (A read is never timed out here: cancelling it would cancel the call.)
+            run.send(sub("r1", "s1", RESPOND, turn=1))
+            started = asyncio.ensure_future(
+                run.until(lambda m: any(u.response_started for u in m.updates), 30)
             )
-            msgs = await run.until(lambda m: any(u.response_finished for u in m.updates), wait_s=30)
+            seq = 1
+            while not started.done() and seq < 300:
+                seq += 1
+                run.send(sub("r1", "s1", APPEND, turn=1, seq=seq, data=pcm(np.zeros(2 * FRAME))))
+                await asyncio.wait([started], timeout=0.02)
+            msgs = await started
+            rest = pcm(np.zeros((committed // FRAME + 40) * FRAME))
+            run.send(sub("r1", "s1", APPEND, turn=1, seq=seq + 1, data=rest))
+            msgs += await run.until(lambda m: any(u.response_finished for u in m.updates), wait_s=30)
             assert len(audio_of(msgs, "r1")) == 2 * committed > 0
             run.close()
         proc.send_signal(signal.SIGTERM)
