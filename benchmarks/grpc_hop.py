@@ -3,7 +3,8 @@
 Runs a loopback DuplexWorker whose Run echoes each WorkerCommand's submissions back as one
 StepOutput, and drives it from S concurrent streams, either one 1 KiB chunk per message (the
 client-facing shape) or K chunks packed per message (the internal hop's shape). Prints chunks/s
-for both and their ratio. Client and server share this machine, as in DESIGN.md's figures.
+for both and their ratio. Client and server share this machine, as in the figures of
+docs/design.md ("Worker API, minimum").
 """
 
 from __future__ import annotations
