@@ -135,7 +135,7 @@ class ServiceConfig:
     ``asyncio`` (the standard library's), or ``auto``: uvloop where it is installed. Each
     session-frame wakes several tasks and futures, and gRPC hands every completed read and write
     to the loop: uvloop does each for less CPU (about 5 % of the session service's, measured by
-    hand with this flag: README, "Running the services"). Its timers count whole milliseconds."""
+    hand with this flag: docs/operations.md, "The event loop"). Its timers count whole milliseconds."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     """Per-session limits."""
     tls: ServerTLS | None = None
