@@ -44,7 +44,8 @@ from duplex.v1 import session_pb2
 from session_service.config import ServiceConfig
 from session_service.metrics import ACTIVE_SESSIONS
 from session_service.plugin import DuplexModelPlugin, SessionSettings
-from session_service.session.runner import ENDED_FOR_GOOD, RunnerDeps, SessionRunner, WorkerHandle
+from session_service.session.lifecycle import ENDED_FOR_GOOD, CloseReason
+from session_service.session.runner import RunnerDeps, SessionRunner, WorkerHandle
 from session_service.session.settings import settings_from_proto, struct_to_dict
 from session_service.trust.auth import ANONYMOUS
 from session_service.trust.resume_tokens import (
@@ -472,7 +473,7 @@ class SessionManager:
             async with asyncio.timeout(grace_s):
                 await asyncio.gather(*(r.wait_response_idle() for r in runners))
         for r in runners:
-            r.close("draining")
+            r.close(CloseReason.DRAINING)
         await asyncio.gather(*(r.wait_closed() for r in runners))
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from duplex.v1 import session_pb2
 from session_service.metrics import COALESCED_ACKS, DROPPED, EVENTS_OUT
-from session_service.session.worker_output import DropReason
+from session_service.session.lifecycle import DropReason
 
 
 @dataclass(slots=True)

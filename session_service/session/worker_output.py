@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from duplex.clock import Clock
@@ -41,6 +40,7 @@ from duplex.errors import BadEventError, ErrorCode, WorkerErrorCode
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.metrics import DROPPED, LATENCY_FIRST_AUDIO
 from session_service.plugin import DuplexModelPlugin, OutputAction, SessionSettings
+from session_service.session.lifecycle import DropReason as DropReason
 from session_service.session.lifecycle import SpeechStatus
 
 if TYPE_CHECKING:
@@ -57,20 +57,9 @@ COMPLETED = session_pb2.RESPONSE_STATUS_COMPLETED
 FAILED = session_pb2.RESPONSE_STATUS_FAILED
 
 
-class DropReason(StrEnum):
-    """Why worker output did not reach a client (the table in the module docstring)."""
-
-    STALE_EPOCH = "stale_epoch"
-    STALE_TURN = "stale_turn"
-    RESPONSE_CANCELLED = "response_cancelled"
-    WRONG_SESSION = "wrong_session"
-    UNKNOWN_REQUEST = "unknown_request"
-    STALE_WORKER = "stale_worker"
-    PURGED = "purged"
-    FAIL_CLOSED = "fail_closed"
-
-
-# Every reason exists from the start, so rate() alerts see a zero series.
+# ``DropReason`` lives in ``lifecycle`` (the outbound queue counts drops too, and must not import
+# this module); it is re-exported here, with its table. Every reason exists from the start, so
+# rate() alerts see a zero series.
 for _reason in DropReason:
     DROPPED[_reason]
 
@@ -152,6 +141,9 @@ class Session(Protocol):
     def finish_response(self, status: session_pb2.ResponseStatus.ValueType, reason: str) -> None: ...
 
     def apply_runtime(self, runtime: dict[str, object]) -> None: ...
+
+    def reset_acks(self) -> None:
+        """Stop waiting for the input handed on: the acks held for it go out."""
 
     def fenced(self) -> None:
         """The session's current epoch was refused: another replica owns it now."""
@@ -288,7 +280,7 @@ class WorkerOutput:
             return
         # A rejected submission (an APPEND refused for capacity, say) is never consumed: stop
         # waiting for it rather than hold acks for ever.
-        s.emitter.acks(s.acks.reset())
+        s.reset_acks()
         if belongs_to(u.fence, s.response):
             s.finish_response(FAILED, code or ErrorCode.MODEL_ERROR.value)
         s.emitter.error(BadEventError(client_code(code), u.error.message or code))

@@ -1,0 +1,273 @@
+"""The client's events, each applied to the session in order (``SessionRunner`` dispatches).
+
+Appends (checked, then handed to the worker under the next worker seq), commit, clear,
+``response_create`` / ``response_cancel``, ``update``, ``barge_in``, ``function_call_output``,
+``close``. An event that needs the worker binds the session first (``Failover._bound_link``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from duplex.audio import F32LE, PcmFormat
+from duplex.errors import BadEventError, ErrorCode, UnavailableError
+from duplex.fence import Fence
+from duplex.v1 import session_pb2, worker_pb2
+from session_service.metrics import EVENTS_IN
+from session_service.plugin import FramePacketizer
+from session_service.session.ack_window import Ack
+from session_service.session.failover import Failover
+from session_service.session.lifecycle import CloseReason, InputStatus, SeqStatus, TurnStatus
+from session_service.session.settings import settings_from_proto, struct_to_dict
+from session_service.session.state import WorkerHandle
+
+COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
+CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
+
+
+class ClientEvents(Failover):
+    """The handlers of client events (a layer of ``SessionRunner``)."""
+
+    async def _dispatch(self, ev: session_pb2.ClientEvent, received: float) -> None:
+        kind = ev.WhichOneof("event")
+        EVENTS_IN[kind or "none"].inc()
+        match kind:
+            case "append":
+                await self._on_append(ev.append, received)
+            case "commit":
+                await self._on_commit(received)
+            case "clear":
+                await self._on_clear()
+            case "response_create":
+                await self._on_response_create(ev.response_create)
+            case "response_cancel":
+                self._on_response_cancel(ev.response_cancel)
+            case "barge_in":
+                self.cancel("barge_in")
+            case "update":
+                self._on_update(ev.update)
+            case "playback_ack":
+                pass  # accepted: what the user heard is the client's to report; nothing depends on it yet
+            case "function_call_output":
+                fco = ev.function_call_output
+                patch = self._plugin.runtime_config_for_function_output(
+                    self.settings, self.runtime_config, fco.call_id, fco.output
+                )
+                if patch:
+                    self.apply_runtime(dict(self.runtime_config) | patch)
+            case "close":
+                self._close(CloseReason.CLIENT_CLOSE)
+            case "open" | "resume":
+                raise BadEventError(ErrorCode.ALREADY_OPEN, "the session is already open")
+            case _:
+                raise BadEventError(ErrorCode.INVALID_EVENT, "empty or unreadable client event")
+
+    async def _on_append(self, ap: session_pb2.InputAudioAppend, received: float) -> None:
+        pcm = ap.pcm  # read once: each read of a bytes field copies it
+        self._check_append(ap, pcm)
+        if self.seq_status is SeqStatus.RESTART_ALLOWED and ap.seq == 1:
+            # The client saw audio_cancelled and restarted; appends it sent before are behind us.
+            self.seq_status = SeqStatus.IN_EPOCH
+            self._seq_epoch = self.epoch
+            self._last_seq = 0
+        if ap.seq <= self._last_seq:
+            raise BadEventError(ErrorCode.SEQ_OUT_OF_ORDER, f"seq {ap.seq} after {self._last_seq}")
+        if self.input_status is InputStatus.ABANDONED:
+            raise BadEventError(
+                ErrorCode.INPUT_ABANDONED,
+                "an earlier append failed; input is abandoned until commit, clear or cancel",
+                retryable=True,
+            )
+        self._last_seq = ap.seq
+        seq_epoch = self._seq_epoch
+        link = self.link
+        if link is None or not link.healthy:
+            link = await self._bound_link()
+        fence = self._fence()
+        res = self.state.audio_buffer.reserve_append(pcm)
+        frames = res.frames
+        try:
+            if frames:
+                try:
+                    wseq = await self._append_frames(link, fence, frames)
+                except UnavailableError:
+                    if not (self._replayable and self.link is not link and self.epoch == fence.epoch):
+                        raise
+                    # Lost with its worker mid-write: the session moves (the turn's input is
+                    # replayed there) and the append goes to the new worker.
+                    link = await self._bound_link()
+                    fence = self._fence()
+                    wseq = await self._append_frames(link, fence, frames)
+                if self.epoch == fence.epoch:
+                    self._worker_seq = wseq
+                    # Kept even when its worker was lost meanwhile: the move replays it.
+                    self.replay.appended(frames, epoch=fence.epoch, seq=wseq, turn_id=fence.turn_id)
+                    if self.link is link:  # else its worker is gone (the replay hands it on again)
+                        self.acks.handed_on(wseq, len(frames) // self._frame_bytes)
+        except BaseException:
+            res.rollback()
+            if self.link is link:  # a write lost with its worker leaves no hole: that input is gone too
+                self.input_status = InputStatus.ABANDONED
+            raise
+        res.commit()
+        self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes
+        fmt = self.settings.input_format
+        self._timeline.client(len(pcm) // fmt.frame_bytes / fmt.sample_rate_hz, received)
+        # Acked in the epoch of the client's numbering (older than the fence's when the client
+        # appended on before it saw audio_cancelled, or the session moved meanwhile).
+        if self.epoch == fence.epoch:
+            self.emitter.acks(self.acks.ack(ap.seq, seq_epoch, received))
+        else:  # cancelled meanwhile: the ack of an older epoch holds nothing back
+            self.emitter.acks((Ack(ap.seq, seq_epoch, (received,)),))
+
+    async def _append_frames(self, link: WorkerHandle, fence: Fence, frames: bytes) -> int:
+        """Write one APPEND of ``frames`` under the next worker seq; returns the seq."""
+        wseq = self._worker_seq + 1
+        params = self._take_options()
+        subs = self._plugin.plan_append(
+            request_id=self.session_id, fence=fence, seq=wseq, frames=frames, params=params
+        )
+        try:
+            await self._submit(link, subs)
+        except BaseException:
+            if params is not None:
+                self._options_pending()
+            raise
+        return wseq
+
+    def _check_append(self, ap: session_pb2.InputAudioAppend, pcm: bytes) -> None:
+        fmt = self.settings.input_format
+        if ap.HasField("format"):
+            declared = PcmFormat.from_proto(ap.format)  # unsupported_audio_format
+            if declared != fmt:
+                raise BadEventError(
+                    ErrorCode.AUDIO_FORMAT_MISMATCH, f"append declares {declared}, the session input is {fmt}"
+                )
+        n = len(pcm)
+        if n > self._caps.max_append_bytes:
+            raise BadEventError(
+                ErrorCode.CHUNK_TOO_LARGE,
+                f"{n} bytes > max_append_bytes {self._caps.max_append_bytes}",
+            )
+        if not n or n % fmt.frame_bytes:
+            raise BadEventError(
+                ErrorCode.INVALID_PCM_LENGTH,
+                f"{n} bytes is not a positive whole number of {fmt.frame_bytes}-byte frames for {fmt}",
+            )
+        # Checked before the append takes its seq (the converter would refuse it only after).
+        if fmt.encoding == F32LE and not np.isfinite(np.frombuffer(pcm, dtype="<f4")).all():
+            raise BadEventError(ErrorCode.INVALID_EVENT, "float PCM contains NaN or infinity")
+
+    async def _on_commit(self, received: float) -> None:
+        link = await self._bound_link()
+        fence = self._fence()
+        res = self.state.audio_buffer.reserve_flush()
+        if not res.frames and self.state.input_since_commit_samples == 0:
+            res.rollback()
+            raise BadEventError(ErrorCode.NO_COMMITTED_INPUT, "no input to commit")
+        frames = res.frames
+        try:
+            params = self._take_options()
+            subs = self._plugin.plan_append(
+                request_id=self.session_id,
+                fence=fence,
+                seq=self._worker_seq + 1,
+                frames=frames,
+                params=params,
+            )
+            subs.append(
+                self._plugin.plan_control(
+                    request_id=self.session_id, fence=fence, kind=COMMIT, params=None if subs else params
+                )
+            )
+            await self._submit(link, subs)
+        except BaseException:
+            res.rollback()
+            self._options_pending()
+            raise
+        res.commit()
+        if frames and self.epoch == fence.epoch:
+            self._worker_seq += 1
+            self.replay.appended(frames, epoch=fence.epoch, seq=self._worker_seq, turn_id=fence.turn_id)
+            self._handed_on(link, self._worker_seq, len(frames) // self._frame_bytes)
+        if self.epoch == fence.epoch:
+            self.replay.committed(fence.turn_id)
+        samples = (
+            self.state.input_since_commit_samples + len(frames) // self._plugin.worker_format.frame_bytes
+        )
+        self.state.input_since_commit_samples = 0
+        self.input_status = InputStatus.OPEN
+        self._committed(received, samples)
+
+    async def _on_clear(self) -> None:
+        link = await self._bound_link()
+        self.state.audio_buffer.clear()
+        sub = self._plugin.plan_control(
+            request_id=self.session_id, fence=self._fence(), kind=CLEAR, params=self._take_options()
+        )
+        await self._submit(link, [sub])
+        self.replay.cleared()
+        self.state.input_since_commit_samples = 0
+        self.input_status = InputStatus.OPEN
+        self.emitter.emit("cleared", session_pb2.InputCleared())
+
+    async def _on_response_create(self, rc: session_pb2.ResponseCreate) -> None:
+        # Bound first: a move restarts an interrupted response, which this one must then not orphan.
+        await self._bound_link()
+        if self.response is not None:
+            raise BadEventError(ErrorCode.RESPONSE_IN_PROGRESS, "a response is already active")
+        if self.turn_status is not TurnStatus.COMMITTED:
+            raise BadEventError(ErrorCode.NO_COMMITTED_INPUT, "commit input before creating a response")
+        params: dict[str, Any] | None = None
+        extra = struct_to_dict(rc.extra_body)
+        if extra:
+            self._check_model_key(extra)
+            self._plugin.validate_client_extra_body(extra)
+            cfg = self._plugin.runtime_config_for_update(self.settings, self.runtime_config, extra)
+            sampling = self._plugin.configure_sampling_params(
+                runtime_config=cfg, defaults=self._plugin.sampling_defaults
+            )
+            params = self._plugin.worker_params(settings=self.settings, runtime_config=cfg, sampling=sampling)
+            self._options_pending()  # the session's own options return after it
+        link = await self._bound_link()
+        if self.response is not None:  # (placing again may restart one)
+            raise BadEventError(ErrorCode.RESPONSE_IN_PROGRESS, "a response is already active")
+        del link
+        self._start_response(self._commit_at, params)
+
+    def _on_response_cancel(self, rc: session_pb2.ResponseCancel) -> None:
+        resp = self.response
+        if resp is None or rc.response_id not in ("", resp.response_id):
+            raise BadEventError(ErrorCode.NO_ACTIVE_RESPONSE, "no such active response")
+        self.cancel("response_cancel")
+
+    def _check_model_key(self, extra: dict[str, object]) -> None:
+        model = extra.pop("model", None)
+        if model is not None and model != self._plugin.plugin_id:
+            raise BadEventError(ErrorCode.MODEL_CHANGE_REFUSED, "the model of a session cannot change")
+
+    def _on_update(self, up: session_pb2.SessionUpdate) -> None:
+        extra = struct_to_dict(up.extra_body)
+        self._check_model_key(extra)
+        new = settings_from_proto(up.config, self.settings, require_input=False, capabilities=self._caps)
+        if new.instructions != self.settings.instructions and self.state.context_locked:
+            raise BadEventError(
+                ErrorCode.CONTEXT_LOCKED, "instructions cannot change after the first response"
+            )
+        runtime = self.runtime_config
+        if extra:
+            self._plugin.validate_client_extra_body(extra)
+            runtime = self._plugin.runtime_config_for_update(new, self.runtime_config, extra)
+        # Everything validated: apply at once.
+        if new.input_format != self.settings.input_format:
+            self.state.audio_buffer = FramePacketizer(
+                new.input_format, self._plugin.worker_format, self._plugin.frame_samples
+            )
+        shorter = (new.idle_timeout_s or self._cfg.idle_timeout_s) < self._idle_timeout_s()
+        self.settings = new
+        if shorter:
+            self._rewatch()
+        self.apply_runtime(runtime)
+        self.emitter.emit("updated", session_pb2.SessionUpdated(config=new.to_proto()))
