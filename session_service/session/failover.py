@@ -21,6 +21,7 @@ from session_service.session.lifecycle import CloseReason, InputStatus, TurnStat
 from session_service.session.outbound import OutboundOverflow
 from session_service.session.replay import Marker
 from session_service.session.state import FAILED, Restart, SessionState, WorkerHandle
+from session_service.session.worker_output import WorkerOutput
 
 #: Frames per APPEND of a replay (a replay is many frames; one message per frame would be waste).
 REPLAY_APPEND_FRAMES = 64
@@ -30,6 +31,9 @@ RECOVER_DELAYS_S = (0.0, 0.2, 0.5, 1.0)
 
 
 class Failover(SessionState):
+    _output: WorkerOutput
+    """Worker output applied to this session (made by the shell: a layer above the state)."""
+
     """The worker binding, replay, restart and recover (a layer of ``SessionRunner``)."""
 
     _submit_wait: tuple[asyncio.Future[None], float] | None

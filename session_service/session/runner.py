@@ -44,6 +44,7 @@ from session_service.session.mailbox import Mailbox
 from session_service.session.outbound import OutboundOverflow
 from session_service.session.response import ActiveResponse, SilenceFeeder
 from session_service.session.state import FAILED, Placer, Restart, WorkerHandle
+from session_service.session.worker_output import WorkerOutput
 from session_service.trust.auth import ANONYMOUS
 from session_service.trust.resume_tokens import SessionProgress
 
@@ -151,6 +152,8 @@ class SessionRunner(ClientEvents):
             progress=progress,
             restart_interrupted=restart_interrupted,
         )
+        # Worker output is a layer above the state, working on it directly.
+        self._output = WorkerOutput(self, deps.plugin, deps.clock)
         self._on_closed = deps.on_closed
         self._mailbox: Mailbox[_Inbound | _Silence | _Recover | _Wake] = Mailbox(
             max_items=self._cfg.mailbox_size, max_bytes=self._cfg.max_buffer_bytes

@@ -41,7 +41,6 @@ from session_service.session.lifecycle import (
 from session_service.session.outbound import Outbound, OutboundOverflow
 from session_service.session.replay import Marker, ReplayLog
 from session_service.session.response import ActiveResponse, InputTimeline
-from session_service.session.worker_output import WorkerOutput
 from session_service.trust.auth import ANONYMOUS
 from session_service.trust.resume_tokens import SessionProgress
 
@@ -152,7 +151,6 @@ class SessionState:
             lambda: self.epoch, limit=cfg.outbound_limit, limit_bytes=cfg.max_buffer_bytes
         )
         self.emitter = Emitter(self.outbound, self._clock, coalesce_acks=cfg.coalesce_acks)
-        self._output = WorkerOutput(self, plugin, self._clock)
         self._detached_at: float | None = None
         """When the client's stream ended without close (None while a stream is attached)."""
         self._on_slow_consumer: Callable[[], None] | None = None

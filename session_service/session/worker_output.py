@@ -33,21 +33,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from duplex.clock import Clock
 from duplex.errors import BadEventError, ErrorCode, WorkerErrorCode
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.metrics import DROPPED, LATENCY_FIRST_AUDIO
-from session_service.plugin import DuplexModelPlugin, OutputAction, SessionSettings
+from session_service.plugin import DuplexModelPlugin, OutputAction
 from session_service.session.lifecycle import DropReason as DropReason
 from session_service.session.lifecycle import SpeechStatus
 
 if TYPE_CHECKING:
-    from session_service.session.ack_window import AckWindow
-    from session_service.session.emitter import Emitter
-    from session_service.session.replay import ReplayLog
     from session_service.session.response import ActiveResponse
+    from session_service.session.state import SessionState
 
 log = logging.getLogger(__name__)
 
@@ -114,45 +112,10 @@ def client_code(worker_code: str) -> str:
 # ---- applying one step's news ---------------------------------------------------------------------
 
 
-class Session(Protocol):
-    """What worker output may read of and do to a session (``SessionRunner`` provides it)."""
-
-    session_id: str
-    epoch: int
-    turn_id: int
-    settings: SessionSettings
-    runtime_config: dict[str, object]
-    emitter: Emitter
-    acks: AckWindow
-    replay: ReplayLog
-
-    @property
-    def closed(self) -> bool: ...
-
-    @property
-    def response(self) -> ActiveResponse | None: ...
-
-    def cancel(self, reason: str) -> None:
-        """Advance the epoch (barge-in)."""
-
-    def turn_ended(self, committed_samples: int) -> None:
-        """The worker's turn detection committed the input."""
-
-    def finish_response(self, status: session_pb2.ResponseStatus.ValueType, reason: str) -> None: ...
-
-    def apply_runtime(self, runtime: dict[str, object]) -> None: ...
-
-    def reset_acks(self) -> None:
-        """Stop waiting for the input handed on: the acks held for it go out."""
-
-    def fenced(self) -> None:
-        """The session's current epoch was refused: another replica owns it now."""
-
-
 class WorkerOutput:
     """Applies worker steps to one session; owns what the client was told of its speech."""
 
-    def __init__(self, session: Session, plugin: DuplexModelPlugin, clock: Clock) -> None:
+    def __init__(self, session: SessionState, plugin: DuplexModelPlugin, clock: Clock) -> None:
         self._session = session
         self._plugin = plugin
         self._clock = clock
