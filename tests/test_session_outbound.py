@@ -9,7 +9,7 @@ import pytest
 from duplex.v1 import session_pb2
 from session_service.session.ack_window import Ack
 from session_service.session.emitter import Emitter
-from session_service.session.outbound import Outbound, OutboundOverflow
+from session_service.session.outbound import Outbound
 from tests.fakes import ManualClock
 
 
@@ -95,12 +95,14 @@ def test_limits_by_count_and_by_bytes() -> None:
     by_count = Outbound(lambda: 1, limit=3)
     for _ in range(3):
         by_count.put(_audio(1), epoch=1)
-    with pytest.raises(OutboundOverflow):
-        by_count.put(_audio(1), epoch=1)
+    assert not by_count.overflowed
+    by_count.put(_audio(1), epoch=1)
+    assert by_count.overflowed and len(by_count) == 3  # a state the shell checks; nothing more queued
     by_bytes = Outbound(lambda: 1, limit_bytes=1000)
     by_bytes.put(_audio(1, 600), epoch=1)
-    with pytest.raises(OutboundOverflow):
-        by_bytes.put(_audio(1, 600), epoch=1)
+    assert not by_bytes.overflowed
+    by_bytes.put(_audio(1, 600), epoch=1)
+    assert by_bytes.overflowed and len(by_bytes) == 1
 
 
 async def test_a_resumed_stream_takes_nothing_until_the_displaced_one_finished_its_write() -> None:

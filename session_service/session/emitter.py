@@ -22,8 +22,8 @@ from session_service.session.outbound import Outbound
 class Emitter:
     """Numbers server events (``se_1``, ``se_2``, ...) and queues them on ``outbound``.
 
-    Queuing raises ``OutboundOverflow`` when the client stopped reading; the runner closes
-    the session then."""
+    A client that stopped reading overflows its queue (``Outbound.overflowed``, a state: nothing
+    raises); the runner checks it once per item and closes the session then."""
 
     def __init__(self, outbound: Outbound, clock: Clock, *, coalesce_acks: bool = True) -> None:
         self.outbound = outbound

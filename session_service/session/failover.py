@@ -18,7 +18,6 @@ from duplex.v1 import worker_pb2
 from session_service.metrics import FAILOVERS, REPLAYED_FRAMES, RESTARTED_RESPONSES
 from session_service.plugin import ReplayStep
 from session_service.session.lifecycle import CloseReason, InputStatus, TurnStatus
-from session_service.session.outbound import OutboundOverflow
 from session_service.session.replay import Marker
 from session_service.session.state import FAILED, Restart, SessionState, WorkerHandle
 from session_service.session.worker_output import WorkerOutput
@@ -69,29 +68,21 @@ class Failover(SessionState):
         if self._replayable:
             if all(left is not link for left in self._left):
                 self._left.append(link)
-            try:
-                self.reset_acks()  # the input is the session's to replay now
-                resp = self._end_response()
-                if resp is not None:
-                    self._restart = Restart(resp.turn_id, resp.params, resp.mark, "worker_lost")
-                    self._response_done(resp, FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
-            except OutboundOverflow:
-                self._close(CloseReason.SLOW_CONSUMER)
-                return
-            self._schedule_recover()
+            self.reset_acks()  # the input is the session's to replay now
+            resp = self._end_response()
+            if resp is not None:
+                self._restart = Restart(resp.turn_id, resp.params, resp.mark, "worker_lost")
+                self._response_done(resp, FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
+            if not self._check_overflow():
+                self._schedule_recover()
             return
         FAILOVERS.labels(result="not_replayable").inc()
-        try:
-            # The worker's model state went with it: uncommitted input (so no hole to protect)
-            # and any committed utterance. The next submission starts over on a healthy worker.
-            self._give_up_turn([link])
-            if self.response is not None:
-                self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
-            self.emitter.error(
-                UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the session's worker went away")
-            )
-        except OutboundOverflow:
-            self._close(CloseReason.SLOW_CONSUMER)
+        # The worker's model state went with it: uncommitted input (so no hole to protect) and
+        # any committed utterance. The next submission starts over on a healthy worker.
+        self._give_up_turn([link])
+        if self.response is not None:
+            self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
+        self._error(UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the session's worker went away"))
 
     async def _recover(self) -> None:
         """After a worker loss (or a takeover mid-reply): move to a healthy worker, replaying the

@@ -40,10 +40,6 @@ class _Item:
 HANDOVER_TIMEOUT_S = 1.0
 
 
-class OutboundOverflow(Exception):
-    """The client stopped reading: its queue passed the limit."""
-
-
 class Outbound:
     """Server events of one session, consumed by whichever stream is attached now."""
 
@@ -59,6 +55,10 @@ class Outbound:
         self._attachment = 0
         self._farewells: dict[int, session_pb2.ServerEvent] = {}
         self._closed = False
+        self.overflowed = False
+        """The client stopped reading: a ``put`` passed a limit. Nothing more is queued; the
+        session's shell checks this once per item it handles and closes the session
+        (``slow_consumer``). A state, not an exception every emit could raise."""
         self._writer = 0
         """The attachment whose last taken event may still be being written (0: none)."""
         self._written = asyncio.Event()
@@ -77,13 +77,12 @@ class Outbound:
 
     def put(self, event: session_pb2.ServerEvent, *, epoch: int | None = None) -> None:
         """Queue an event; ``epoch`` marks output that must die with its epoch."""
-        if self._closed:
+        if self._closed or self.overflowed:
             return
-        if len(self._items) >= self._limit:
-            raise OutboundOverflow(f"{len(self._items)} events unread")
         size = event.ByteSize()
-        if self._bytes + size > self._limit_bytes:
-            raise OutboundOverflow(f"{self._bytes} bytes unread")
+        if len(self._items) >= self._limit or self._bytes + size > self._limit_bytes:
+            self.overflowed = True
+            return
         self._bytes += size
         self._items.append(_Item(event, epoch, size))
         self._signal()

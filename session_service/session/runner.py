@@ -41,7 +41,6 @@ from session_service.session.client_events import ClientEvents
 from session_service.session.failover import RECOVER_DELAYS_S, REPLAY_APPEND_FRAMES
 from session_service.session.lifecycle import ENDED_FOR_GOOD, CloseReason, DropReason, SessionStatus
 from session_service.session.mailbox import Mailbox
-from session_service.session.outbound import OutboundOverflow
 from session_service.session.response import ActiveResponse, SilenceFeeder
 from session_service.session.state import FAILED, Placer, Restart, WorkerHandle
 from session_service.session.worker_output import WorkerOutput
@@ -282,18 +281,15 @@ class SessionRunner(ClientEvents):
                         await self._dispatch(item.event, item.received)
                 except DuplexError as err:
                     self._error(err, event_id)
-                except OutboundOverflow:
-                    self._close(CloseReason.SLOW_CONSUMER)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     # Nothing a client sends may crash the runner: log, answer, go on.
                     log.exception("session %s: event failed", self.session_id)
                     self._error(InternalError(ErrorCode.INTERNAL, "internal error"), event_id)
+                self._check_overflow()  # once per item: a client that stopped reading is closed
         except asyncio.CancelledError:
             pass
-        except OutboundOverflow:
-            self._close(CloseReason.SLOW_CONSUMER)
         finally:
             if not self.closed:
                 self._close(CloseReason.INTERNAL_ERROR)
@@ -331,6 +327,10 @@ class SessionRunner(ClientEvents):
         submission not written in time is failed here (the runner awaits it)."""
         clock = self._clock
         while not self.closed:
+            # A client that stopped reading while the runner waits in a long item (a recovery's
+            # retries) is closed now, not when the item ends.
+            if self._check_overflow():
+                return
             now = clock.now()
             waiting = self._submit_wait
             if waiting is not None and now >= waiting[1] and not waiting[0].done():
@@ -390,11 +390,8 @@ class SessionRunner(ClientEvents):
         if not fut.cancelled() and fut.exception() is None:
             return
         if self.response is resp and not self.closed:
-            try:
-                self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
-                self._error(UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the response could not be sent"))
-            except OutboundOverflow:
-                self._close(CloseReason.SLOW_CONSUMER)
+            self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
+            self._error(UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the response could not be sent"))
 
     def _request_silence(self, resp: ActiveResponse) -> bool:
         if not self._mailbox.put_nowait(_Silence(resp)):
@@ -445,13 +442,12 @@ class SessionRunner(ClientEvents):
             return
         try:
             self._output.handle(fence, payload, updates)
-        except OutboundOverflow:
-            self._close(CloseReason.SLOW_CONSUMER)
         except DuplexError as err:
             self._error(err)
         except Exception:
             log.exception("session %s: worker output failed", self.session_id)
             self._error(InternalError(ErrorCode.INTERNAL, "internal error"))
+        self._check_overflow()
 
     # ---- the shell's side of the layers below ------------------------------------------------
 

@@ -38,7 +38,7 @@ from session_service.session.lifecycle import (
     SessionStatus,
     TurnStatus,
 )
-from session_service.session.outbound import Outbound, OutboundOverflow
+from session_service.session.outbound import Outbound
 from session_service.session.replay import Marker, ReplayLog
 from session_service.session.response import ActiveResponse, InputTimeline
 from session_service.trust.auth import ANONYMOUS
@@ -231,11 +231,16 @@ class SessionState:
         self._safely(lambda: self.emitter.error(err, event_id))
 
     def _safely(self, emit: Callable[[], None]) -> None:
-        """Emit; a client that stopped reading is closed instead."""
-        try:
-            emit()
-        except OutboundOverflow:
+        """Emit; a client that stopped reading is closed then."""
+        emit()
+        self._check_overflow()
+
+    def _check_overflow(self) -> bool:
+        """Whether the client stopped reading (its queue overflowed): the session is closed
+        then (``slow_consumer``). Checked once per item the session handles."""
+        if self.outbound.overflowed and not self.closed:
             self._close(CloseReason.SLOW_CONSUMER)
+        return self.closed
 
     # ---- options, acks, the epoch (each written once) ---------------------------------------
 
@@ -439,14 +444,11 @@ class SessionState:
         releases the session. (The runner also stops its tasks.)"""
         if self.closed:
             return
-        try:
-            resp = self._end_response()
-            if resp is not None:
-                self.last_response = (resp.response_id, resp.turn_id, CANCELLED)
-                self.emitter.emit("response_done", resp.done(CANCELLED, "session_closed"))
-            self.emitter.emit("closed", session_pb2.SessionClosed(reason=reason))
-        except OutboundOverflow:
-            pass
+        resp = self._end_response()
+        if resp is not None:
+            self.last_response = (resp.response_id, resp.turn_id, CANCELLED)
+            self.emitter.emit("response_done", resp.done(CANCELLED, "session_closed"))
+        self.emitter.emit("closed", session_pb2.SessionClosed(reason=reason))
         self.status = SessionStatus.CLOSED
         self.close_reason = reason
         if self.link is not None:
