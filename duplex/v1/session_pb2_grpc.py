@@ -53,10 +53,17 @@ class DuplexSessionServicer:
 
     def Converse(self, request_iterator, context):
         """Holds one session. The first client event must be `open` or `resume`.
-        A bad open, bad credentials, no capacity or a fenced session end the call
-        with INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED or
-        FAILED_PRECONDITION; a bad later event is answered with an `error` event
-        and the session goes on.
+        A call that cannot start or go on ends with a status whose
+        google.rpc.ErrorInfo (in the `grpc-status-details-bin` trailer) carries
+        the stable code: INVALID_ARGUMENT (a bad open, `model_mismatch`, no open
+        in time), UNAUTHENTICATED (`unauthenticated`, `invalid_resume_token`),
+        PERMISSION_DENIED (`not_session_owner`), NOT_FOUND (`session_closed`),
+        RESOURCE_EXHAUSTED (`capacity_exhausted`, `too_many_calls`,
+        `slow_consumer`), FAILED_PRECONDITION (`fenced`) or UNAVAILABLE
+        (`worker_unavailable`, `draining`). A message over the size limit is
+        refused by gRPC itself (RESOURCE_EXHAUSTED without ErrorInfo). A bad
+        later event is answered with an `error` event and the session goes on.
+        See docs/grpc-guide.md, "Errors".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

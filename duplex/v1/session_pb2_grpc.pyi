@@ -47,10 +47,17 @@ class DuplexSessionStub:
     def __new__(cls, channel: _aio.Channel) -> DuplexSessionAsyncStub: ...
     Converse: _grpc.StreamStreamMultiCallable[_session_pb2.ClientEvent, _session_pb2.ServerEvent]
     """Holds one session. The first client event must be `open` or `resume`.
-    A bad open, bad credentials, no capacity or a fenced session end the call
-    with INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED or
-    FAILED_PRECONDITION; a bad later event is answered with an `error` event
-    and the session goes on.
+    A call that cannot start or go on ends with a status whose
+    google.rpc.ErrorInfo (in the `grpc-status-details-bin` trailer) carries
+    the stable code: INVALID_ARGUMENT (a bad open, `model_mismatch`, no open
+    in time), UNAUTHENTICATED (`unauthenticated`, `invalid_resume_token`),
+    PERMISSION_DENIED (`not_session_owner`), NOT_FOUND (`session_closed`),
+    RESOURCE_EXHAUSTED (`capacity_exhausted`, `too_many_calls`,
+    `slow_consumer`), FAILED_PRECONDITION (`fenced`) or UNAVAILABLE
+    (`worker_unavailable`, `draining`). A message over the size limit is
+    refused by gRPC itself (RESOURCE_EXHAUSTED without ErrorInfo). A bad
+    later event is answered with an `error` event and the session goes on.
+    See docs/grpc-guide.md, "Errors".
     """
     ConverseMany: _grpc.StreamStreamMultiCallable[_session_pb2.ClientBatch, _session_pb2.ServerBatch]
     """Holds many sessions of one caller on one stream, for a backend that
@@ -73,10 +80,17 @@ class DuplexSessionAsyncStub(DuplexSessionStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Converse: _aio.StreamStreamMultiCallable[_session_pb2.ClientEvent, _session_pb2.ServerEvent]  # type: ignore[assignment]
     """Holds one session. The first client event must be `open` or `resume`.
-    A bad open, bad credentials, no capacity or a fenced session end the call
-    with INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED or
-    FAILED_PRECONDITION; a bad later event is answered with an `error` event
-    and the session goes on.
+    A call that cannot start or go on ends with a status whose
+    google.rpc.ErrorInfo (in the `grpc-status-details-bin` trailer) carries
+    the stable code: INVALID_ARGUMENT (a bad open, `model_mismatch`, no open
+    in time), UNAUTHENTICATED (`unauthenticated`, `invalid_resume_token`),
+    PERMISSION_DENIED (`not_session_owner`), NOT_FOUND (`session_closed`),
+    RESOURCE_EXHAUSTED (`capacity_exhausted`, `too_many_calls`,
+    `slow_consumer`), FAILED_PRECONDITION (`fenced`) or UNAVAILABLE
+    (`worker_unavailable`, `draining`). A message over the size limit is
+    refused by gRPC itself (RESOURCE_EXHAUSTED without ErrorInfo). A bad
+    later event is answered with an `error` event and the session goes on.
+    See docs/grpc-guide.md, "Errors".
     """
     ConverseMany: _aio.StreamStreamMultiCallable[_session_pb2.ClientBatch, _session_pb2.ServerBatch]  # type: ignore[assignment]
     """Holds many sessions of one caller on one stream, for a backend that
@@ -102,10 +116,17 @@ class DuplexSessionServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_session_pb2.ServerEvent], _abc.AsyncIterator[_session_pb2.ServerEvent]]:
         """Holds one session. The first client event must be `open` or `resume`.
-        A bad open, bad credentials, no capacity or a fenced session end the call
-        with INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED or
-        FAILED_PRECONDITION; a bad later event is answered with an `error` event
-        and the session goes on.
+        A call that cannot start or go on ends with a status whose
+        google.rpc.ErrorInfo (in the `grpc-status-details-bin` trailer) carries
+        the stable code: INVALID_ARGUMENT (a bad open, `model_mismatch`, no open
+        in time), UNAUTHENTICATED (`unauthenticated`, `invalid_resume_token`),
+        PERMISSION_DENIED (`not_session_owner`), NOT_FOUND (`session_closed`),
+        RESOURCE_EXHAUSTED (`capacity_exhausted`, `too_many_calls`,
+        `slow_consumer`), FAILED_PRECONDITION (`fenced`) or UNAVAILABLE
+        (`worker_unavailable`, `draining`). A message over the size limit is
+        refused by gRPC itself (RESOURCE_EXHAUSTED without ErrorInfo). A bad
+        later event is answered with an `error` event and the session goes on.
+        See docs/grpc-guide.md, "Errors".
         """
 
     @_abc_1.abstractmethod
