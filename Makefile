@@ -6,7 +6,7 @@ PROTOS := $(wildcard proto/duplex/v1/*.proto)
 PROTOC  = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Iproto \
           --python_out=$(1) --grpc_python_out=$(1) --mypy_out=$(1) --mypy_grpc_out=$(1)
 
-.PHONY: setup proto proto-check test fuzz lint bench demo up clean images deploy-check soak
+.PHONY: setup proto proto-check test fuzz lint bench demo up clean images images-check deploy-check soak
 
 setup: $(VENV)/.installed
 
@@ -71,29 +71,63 @@ up: setup
 	$(BIN)/duplex up
 
 # The container images (deploy/images/): session, worker-cpu, worker-cuda, built with docker
-# (BuildKit) or podman, whichever works here, tagged $(IMAGE_REGISTRY)/NAME:$(IMAGE_TAG). Push
-# them, then pin each overlay's images by the digest the registry reports (deploy/README.md).
+# (BuildKit), podman or buildah (--isolation chroot unless BUILDAH_ISOLATION says otherwise),
+# the first that works here, tagged $(IMAGE_REGISTRY)/NAME:$(IMAGE_TAG), with the version and
+# commit as OCI labels. An image whose base cannot be pulled is skipped with the reason, the others
+# are built; it exits 1 if any was not. IMAGE_BUILD_ARGS: more build options, e.g.
+# --build-arg PYTHON_IMAGE=... (the base). Push them, then pin each overlay's images by the digest
+# the registry reports (deploy/README.md).
 IMAGE_REGISTRY ?= duplex
 IMAGE_TAG ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo dev)
+IMAGE_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
+IMAGE_REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+IMAGE_BUILD_ARGS ?=
 IMAGES ?= session worker-cpu worker-cuda
-CONTAINER_ENGINE ?= $(shell for e in docker podman; do \
+CONTAINER_ENGINE ?= $(shell for e in docker podman buildah; do \
   command -v $$e >/dev/null 2>&1 && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
 
 images:
 	@engine="$(CONTAINER_ENGINE)"; \
 	if [ -z "$$engine" ]; then \
-	  for e in docker podman; do \
+	  for e in docker podman buildah; do \
 	    if command -v $$e >/dev/null 2>&1; then \
 	      echo "make images: $$e is installed but cannot build here ('$$e info' fails: no daemon or runtime)" >&2; \
 	    else echo "make images: $$e is not installed" >&2; fi; \
 	  done; \
 	  echo "make images: no working container engine, no image built" >&2; exit 1; \
 	fi; \
+	case "$$engine" in \
+	  buildah) build="buildah bud --isolation $${BUILDAH_ISOLATION:-chroot}"; has="buildah inspect --type image";; \
+	  *) build="$$engine build"; has="$$engine image inspect";; \
+	esac; \
+	echo "make images: building with $$engine ($$(command -v $$engine))"; \
+	built=""; missed=""; \
 	for image in $(IMAGES); do \
-	  echo "$$engine build -f deploy/images/$$image.Containerfile -t $(IMAGE_REGISTRY)/$$image:$(IMAGE_TAG) ."; \
-	  DOCKER_BUILDKIT=1 $$engine build -f deploy/images/$$image.Containerfile \
-	    -t $(IMAGE_REGISTRY)/$$image:$(IMAGE_TAG) . || exit 1; \
-	done
+	  file=deploy/images/$$image.Containerfile; \
+	  arg=$$(sed -n 's/^ARG \([A-Z_]*_IMAGE\)=.*/\1/p' $$file | head -n 1); \
+	  base=$$(echo " $(IMAGE_BUILD_ARGS) " | sed -n "s/.*[ =]$$arg=\([^ ]*\) .*/\1/p"); \
+	  base=$${base:-$$(sed -n "s/^ARG $$arg=//p" $$file | head -n 1)}; \
+	  if ! $$has $$base >/dev/null 2>&1 && ! why=$$($$engine pull -q $$base 2>&1 >/dev/null); then \
+	    why=$$(printf '%s\n' "$$why" | tail -n 1); \
+	    echo "make images: $$image NOT built: its base $$base cannot be pulled: $$why" >&2; \
+	    missed="$$missed $$image"; continue; \
+	  fi; \
+	  echo "$$build -f $$file -t $(IMAGE_REGISTRY)/$$image:$(IMAGE_TAG) ."; \
+	  if DOCKER_BUILDKIT=1 $$build -f $$file -t $(IMAGE_REGISTRY)/$$image:$(IMAGE_TAG) \
+	      --build-arg VERSION=$(IMAGE_VERSION) --build-arg REVISION=$(IMAGE_REVISION) $(IMAGE_BUILD_ARGS) .; \
+	  then built="$$built $$image"; \
+	  else echo "make images: $$image NOT built: $$build failed (above)" >&2; missed="$$missed $$image"; fi; \
+	done; \
+	echo "make images ($$engine): built:$${built:- none}; not built:$${missed:- none}"; \
+	[ -z "$$missed" ]
+
+# Builds the session and CPU worker images with buildah (from a debootstrap Debian base when no
+# registry answers), runs them as a local stack on loopback, holds a conversation through them
+# with duplex talk, checks sizes, labels, user and no torch in the session image, then removes
+# everything it made (deploy/image_check.py; about 2.5 minutes on 2 cores, 3.5 without the cached
+# base in build/image-check/). Needs root, buildah and debootstrap (it apt-get installs them).
+images-check: setup
+	$(BIN)/python -m deploy.image_check
 
 # Every overlay rendered and validated against Kubernetes 1.30 and 1.32 offline, the settings the
 # deployment relies on, the images' Containerfiles, the Prometheus rules (deploy/check.py).

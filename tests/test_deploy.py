@@ -497,10 +497,15 @@ IMAGE_MUTATIONS = [
     (
         "session-with-the-worker-extra",
         "session",
-        ("duplex-serving\n", '"duplex-serving[worker]"\n'),
+        ("duplex-serving \\\n", '"duplex-serving[worker]" \\\n'),
         "installs ['silero-vad', 'torch']",
     ),
-    ("session-adds-torch", "session", ("duplex-serving\n", "duplex-serving torch\n"), "installs ['torch']"),
+    (
+        "session-adds-torch",
+        "session",
+        ("duplex-serving \\\n", "duplex-serving torch \\\n"),
+        "installs ['torch']",
+    ),
     ("root-user", "session", ("USER 10001:10001", "USER root"), "runs as root"),
     ("no-user", "worker-cpu", ("USER 10001:10001\n", ""), "runs as root"),
     ("other-uid", "worker-cuda", ("USER 10001:10001", "USER 1000:1000"), "is not the pods' runAsUser"),
