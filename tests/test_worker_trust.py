@@ -436,6 +436,11 @@ async def test_over_long_ids_are_refused() -> None:
         for session, owner in ((long, "o1"), ("s1", long)):
             err = await refused(attach(stub, session, owner))
             assert (err.status, err.code) == (grpc.StatusCode.INVALID_ARGUMENT, "invalid_event")
+        # The request id an Attach names (kept for a takeover notice) is bounded alike.
+        req = worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1", request_id=long)
+        err = await refused(stub.Attach(req, timeout=5))
+        assert (err.status, err.code) == (grpc.StatusCode.INVALID_ARGUMENT, "invalid_event")
+        assert server.fences.current("s1") is None
         assert await attach(stub, ok, ok) == 1
         run = RunClient(stub, ok)
         run.send(
