@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,6 +26,8 @@ class ServiceProcess:
     proc: subprocess.Popen[str]
     grpc: str
     metrics: str
+    health: str = ""
+    """The plaintext health-only listener's HOST:PORT (``--health-listen``; "" without one)."""
 
     @property
     def pid(self) -> int:
@@ -80,28 +83,37 @@ def start_service(
                 raise RuntimeError(f"{args[0]} exited with {proc.returncode} before listening")
             if ready:
                 line = proc.stdout.readline()
-                if not line:
-                    continue
+                if not line:  # EOF (select finds it readable for ever): it exited, or closed stdout
+                    raise RuntimeError(f"{args[0]} exited with {proc.wait(10)} before listening")
                 try:
                     msg = json.loads(line)
                 except json.JSONDecodeError:
                     continue
                 if msg.get("event") == "listening":
-                    return ServiceProcess(proc, msg["grpc"], msg["metrics"])
+                    return ServiceProcess(proc, msg["grpc"], msg["metrics"], msg.get("health", ""))
     except BaseException:
         proc.kill()
         proc.wait(10)
         raise
 
 
-def start_all(arg_lists: list[list[str]], started: list[ServiceProcess]) -> list[ServiceProcess]:
-    """``start_service`` for each of ``arg_lists`` in parallel; returns them in that order.
+_A = TypeVar("_A")
+_S = TypeVar("_S", bound=ServiceProcess)
+
+
+def start_all(
+    arg_lists: Sequence[_A],
+    started: list[_S],
+    start: Callable[[_A], _S] = start_service,  # type: ignore[assignment]
+) -> list[_S]:
+    """``start`` (``start_service``) for each of ``arg_lists`` in parallel; returns them in that
+    order.
 
     Each one that started is appended to ``started`` (for the caller to stop) even when another
     failed, whose error is then raised."""
-    new: list[ServiceProcess] = []
+    new: list[_S] = []
     with ThreadPoolExecutor(len(arg_lists)) as pool:
-        futures = [pool.submit(start_service, args) for args in arg_lists]
+        futures = [pool.submit(start, args) for args in arg_lists]
         errors = []
         for f in futures:
             try:

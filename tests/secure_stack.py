@@ -25,16 +25,13 @@ Module-scoped (a sync fixture; the channels are made in each test's own loop)::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import select
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +43,7 @@ from duplex.serving import health_check
 from duplex.tls import ChannelCredentials, ClientTLS
 from session_service.trust.auth import token_digest
 from session_service.workers.placement import rendezvous_pick
-from tests.procs import ServiceProcess, spawn
+from tests.procs import ServiceProcess, start_all, start_service
 from tests.session_helpers import PARROT, wait_metric
 
 SESSION_IDENTITY = "duplex-session"
@@ -160,10 +157,9 @@ class StackProcess(ServiceProcess):
     """A ``duplex worker`` / ``duplex session`` child: ``pid``, ``grpc`` (HOST:PORT, TLS),
     ``metrics`` (HOST:PORT), ``health`` (HOST:PORT, plaintext), its ``log`` file."""
 
-    name: str
-    health: str
-    log: Path
-    args: list[str]
+    name: str = ""
+    log: Path = Path()
+    args: list[str] = field(default_factory=list)
 
     @property
     def metrics_url(self) -> str:
@@ -194,65 +190,29 @@ def _pump(stdout: object, log: Path) -> None:
 
 
 def _start(name: str, args: list[str], *, log: Path, env: dict[str, str], timeout: float) -> StackProcess:
-    """``python -m duplex ARGS`` (``tests.procs.spawn``), its stderr appended to ``log``, until its
-    JSON "listening" line (kept whole: ``procs.start_service`` drops the health address)."""
-    with open(log, "ab") as err:
-        proc = spawn(args, env=env, stderr=err.fileno())
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
+    """``procs.start_service`` with its stderr appended to ``log``; what it prints after its
+    announcement goes there too (a full pipe would block it). A start that fails says so with
+    the log's tail."""
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{name} did not announce itself within {timeout}s")
-            ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.5))
-            if proc.poll() is not None and not ready:
-                raise RuntimeError(f"{name} exited with {proc.returncode} before listening")
-            if not ready:
-                continue
-            line = proc.stdout.readline()
-            if not line:  # EOF: it closed its stdout, or exited (select finds EOF readable)
-                raise RuntimeError(f"{name} exited with {proc.wait(10)} before listening")
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if msg.get("event") == "listening":
-                threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True).start()
-                return StackProcess(proc, msg["grpc"], msg["metrics"], name, msg["health"], log, args)
-    except BaseException as exc:
-        proc.kill()
-        proc.wait(10)
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        if isinstance(exc, Exception):
-            raise RuntimeError(f"{name} failed to start: {exc}\n--- {log} (tail) ---\n{tail}") from exc
-        raise
+        with open(log, "ab") as err:
+            svc = start_service(args, timeout=timeout, env=env, stderr=err.fileno())
+    except Exception as exc:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
+        raise RuntimeError(f"{name} failed to start: {exc}\n--- {log} (tail) ---\n{tail}") from exc
+    threading.Thread(target=_pump, args=(svc.proc.stdout, log), daemon=True).start()
+    return StackProcess(svc.proc, svc.grpc, svc.metrics, svc.health, name, log, args)
 
 
 def _start_all(
     specs: list[tuple[str, list[str]]], started: list[StackProcess], *, root: Path, env: dict[str, str]
 ) -> list[StackProcess]:
-    """``_start`` for each (name, args) in parallel, in that order; each one that started is
-    appended to ``started`` (to be stopped) even when another failed, whose error is raised."""
-    new: list[StackProcess] = []
-    with ThreadPoolExecutor(len(specs)) as pool:
-        logs = [root / "logs" / f"{name}.log" for name, _ in specs]
-        futures = [
-            pool.submit(_start, name, args, log=log, env=env, timeout=START_TIMEOUT_S)
-            for (name, args), log in zip(specs, logs, strict=True)
-        ]
-        errors: list[Exception] = []
-        for f in futures:
-            try:
-                p = f.result()
-            except Exception as exc:
-                errors.append(exc)
-            else:
-                started.append(p)
-                new.append(p)
-    if errors:
-        raise errors[0]
-    return new
+    """``_start`` for each (name, args) in parallel (``procs.start_all``), in that order."""
+
+    def start(spec: tuple[str, list[str]]) -> StackProcess:
+        name, args = spec
+        return _start(name, args, log=root / "logs" / f"{name}.log", env=env, timeout=START_TIMEOUT_S)
+
+    return start_all(specs, started, start)
 
 
 def _stop_all(procs: Sequence[StackProcess], timeout: float) -> None:
