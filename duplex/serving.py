@@ -90,6 +90,43 @@ def peer_host(peer: str) -> str:
     return peer
 
 
+class Slots:
+    """Slots held per key (a client address, a principal) and in all, each bounded (0 = no
+    bound): what the services count calls and streams by, so that no one key holds them all."""
+
+    def __init__(self, per_key: int, total: int) -> None:
+        self.per_key = per_key
+        self.total = total
+        self.held = 0
+        """Slots held in all."""
+        self.by_key: dict[str, int] = {}
+        """Slots held per key; a key holding none has no entry."""
+
+    def full(self, key: str | None) -> str | None:
+        """Which bound a new slot of ``key`` would pass: ``"key"``, ``"total"``, or None. A slot
+        of no key (None) counts in all only."""
+        if key is not None and self.per_key and self.by_key.get(key, 0) >= self.per_key:
+            return "key"
+        if self.total and self.held >= self.total:
+            return "total"
+        return None
+
+    def take(self, key: str | None) -> None:
+        self.held += 1
+        if key is not None:
+            self.by_key[key] = self.by_key.get(key, 0) + 1
+
+    def give(self, key: str | None) -> None:
+        self.held -= 1
+        if key is None:
+            return
+        left = self.by_key[key] - 1
+        if left:
+            self.by_key[key] = left
+        else:
+            del self.by_key[key]
+
+
 class _HealthServicer(health_pb2_grpc.HealthServicer):
     """``grpc.health.v1.Health``: Check, Watch and List, with Watch streams bounded.
 
@@ -103,12 +140,8 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):
         self._status: dict[str, int] = {"": SERVING}
         self._changed = asyncio.Event()
         self._shutting_down = False
-        self.watches_per_peer = watches_per_peer
-        self.max_watches = max_watches
-        self.watching = 0
-        """Watch streams in progress."""
-        self.watching_by_peer: dict[str, int] = {}
-        """The same, per peer address (``peer_host``); an address without any has no entry."""
+        self.watches = Slots(watches_per_peer, max_watches)
+        """Watch streams in progress, per peer address (``peer_host``) and in all."""
 
     async def Check(
         self, request: health_pb2.HealthCheckRequest, context: _HealthContext
@@ -130,21 +163,14 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):
             # No service has such a name, and a Watch would hold the name for as long as it runs.
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
         peer = peer_host(context.peer() or "")
-        if self.watching >= self.max_watches:
+        watches = self.watches
+        full = watches.full(peer)
+        if full is not None:
+            bound = f"{watches.per_key} per client address" if full == "key" else f"{watches.total} in all"
             await abort(
-                context,
-                CapacityError(ErrorCode.TOO_MANY_CALLS, f"at most {self.max_watches} health watches at once"),
+                context, CapacityError(ErrorCode.TOO_MANY_CALLS, f"at most {bound} health watches at once")
             )
-        if self.watching_by_peer.get(peer, 0) >= self.watches_per_peer:
-            await abort(
-                context,
-                CapacityError(
-                    ErrorCode.TOO_MANY_CALLS,
-                    f"at most {self.watches_per_peer} health watches at once per client address",
-                ),
-            )
-        self.watching += 1
-        self.watching_by_peer[peer] = self.watching_by_peer.get(peer, 0) + 1
+        watches.take(peer)
         try:
             last: int | None = None
             while True:
@@ -155,12 +181,7 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):
                     last = status
                 await changed.wait()
         finally:
-            self.watching -= 1
-            left = self.watching_by_peer[peer] - 1
-            if left:
-                self.watching_by_peer[peer] = left
-            else:
-                del self.watching_by_peer[peer]
+            watches.give(peer)
 
     def set(self, service: str, status: int) -> None:
         """Set a service's status and wake the Watches (ignored once shutting down)."""

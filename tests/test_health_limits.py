@@ -97,7 +97,7 @@ async def _until_watching(health: Health | None, n: int = 0) -> None:
     assert health is not None
     servicer = health._servicer
     async with asyncio.timeout(10):
-        while servicer.watching != n or (n == 0 and servicer.watching_by_peer):  # noqa: ASYNC110 (polled state)
+        while servicer.watches.held != n or (n == 0 and servicer.watches.by_key):  # noqa: ASYNC110 (polled state)
             await asyncio.sleep(0.01)
 
 
@@ -165,14 +165,14 @@ async def test_ended_watches_leave_nothing_behind() -> None:
             async with grpc.aio.insecure_channel(s.plaintext) as ch:
                 calls = [_watch(ch, f"{NAME}.{round_}.{i}") for i in range(bound)]
                 assert [await _first(c) for c in calls] == [SERVICE_UNKNOWN] * bound
-                assert servicer.watching == bound and servicer.watching_by_peer == {"ipv4:127.0.0.1": bound}
+                assert servicer.watches.held == bound and servicer.watches.by_key == {"ipv4:127.0.0.1": bound}
                 assert await _refused(_watch(ch)) == ErrorCode.TOO_MANY_CALLS
                 if round_ % 2 == 0:
                     for c in calls:
                         c.cancel()
             # Odd rounds: the channel closes under its open Watches (the client went away).
             await _until_watching(s.health)
-            assert servicer.watching == 0 and servicer.watching_by_peer == {}
+            assert servicer.watches.held == 0 and servicer.watches.by_key == {}
         # Nothing was kept for the names those Watches asked about either.
         async with grpc.aio.insecure_channel(s.api) as ch:
             got = await _stub(ch).List(_list_request(), timeout=5)
@@ -224,7 +224,7 @@ async def test_the_health_port_reads_small_requests_only() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _stub(ch).Check(request, timeout=5)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert s.health._servicer.watching == 0
+        assert s.health._servicer.watches.held == 0
 
 
 @pytest.mark.parametrize(

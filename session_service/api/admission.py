@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -32,7 +31,7 @@ from typing import Any, Final
 import grpc
 
 from duplex.errors import CapacityError, DuplexError, ErrorCode, UnauthenticatedError, abort, to_rpc_status
-from duplex.serving import peer_host
+from duplex.serving import Slots, peer_host
 from session_service.metrics import CALLS, ERRORS_BY_CODE
 from session_service.trust.auth import OPEN_METHOD_PREFIXES, Authenticator
 
@@ -61,66 +60,54 @@ class CallLimits:
 
 
 class CallLedger:
-    """Calls in progress by principal and in all, and refusals in progress by peer address."""
+    """Calls in progress by principal and in all, and refusals in progress by peer address
+    (``duplex.serving.Slots``)."""
 
     def __init__(self, limits: CallLimits) -> None:
         self.limits = limits
-        self.calls = 0
-        self._by_principal: Counter[str] = Counter()
-        self.refusals = 0
-        self._refusals_by_peer: Counter[str] = Counter()
+        self._calls = Slots(limits.max_calls_per_principal, limits.max_calls)
+        self._refusals = Slots(limits.max_refusals_per_peer, limits.max_refusals)
+
+    @property
+    def calls(self) -> int:
+        return self._calls.held
 
     def calls_of(self, principal: str) -> int:
-        return self._by_principal[principal]
+        return self._calls.by_key.get(principal, 0)
+
+    @property
+    def refusals(self) -> int:
+        return self._refusals.held
 
     def refusals_from(self, peer: str) -> int:
-        return self._refusals_by_peer[peer]
+        return self._refusals.by_key.get(peer, 0)
 
     def enter(self, principal: str | None) -> None:
-        """Count a call of ``principal`` (None: not counted per principal) or raise
-        ``CapacityError`` (``too_many_calls``)."""
-        limits = self.limits
-        if principal is not None and limits.max_calls_per_principal:
-            if self._by_principal[principal] >= limits.max_calls_per_principal:
-                raise CapacityError(
-                    ErrorCode.TOO_MANY_CALLS,
-                    f"at most {limits.max_calls_per_principal} calls per caller in progress on this replica",
-                )
-        if limits.max_calls and self.calls >= limits.max_calls:
-            raise CapacityError(
-                ErrorCode.TOO_MANY_CALLS, f"at most {limits.max_calls} calls in progress on this replica"
+        """Count a call of ``principal`` (None: counted only in all) or raise ``CapacityError``
+        (``too_many_calls``)."""
+        full = self._calls.full(principal)
+        if full is not None:
+            bound = (
+                f"{self._calls.per_key} calls per caller" if full == "key" else f"{self._calls.total} calls"
             )
-        self.calls += 1
-        if principal is not None:
-            self._by_principal[principal] += 1
-        CALLS.set(self.calls)
+            raise CapacityError(ErrorCode.TOO_MANY_CALLS, f"at most {bound} in progress on this replica")
+        self._calls.take(principal)
+        CALLS.set(self._calls.held)
 
     def leave(self, principal: str | None) -> None:
-        self.calls -= 1
-        if principal is not None:
-            self._by_principal[principal] -= 1
-            if self._by_principal[principal] <= 0:
-                del self._by_principal[principal]
-        CALLS.set(self.calls)
+        self._calls.give(principal)
+        CALLS.set(self._calls.held)
 
     def refusal_may_wait(self, peer: str) -> bool:
         """Whether a refused call from ``peer`` may wait for its first message (then counted
         until ``refusal_done``), or must be refused at once."""
-        limits = self.limits
-        if (
-            self.refusals >= limits.max_refusals
-            or self._refusals_by_peer[peer] >= limits.max_refusals_per_peer
-        ):
+        if self._refusals.full(peer) is not None:
             return False
-        self.refusals += 1
-        self._refusals_by_peer[peer] += 1
+        self._refusals.take(peer)
         return True
 
     def refusal_done(self, peer: str) -> None:
-        self.refusals -= 1
-        self._refusals_by_peer[peer] -= 1
-        if self._refusals_by_peer[peer] <= 0:
-            del self._refusals_by_peer[peer]
+        self._refusals.give(peer)
 
 
 _HandlerFactory = Callable[..., "grpc.RpcMethodHandler[Any, Any]"]
