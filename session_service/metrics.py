@@ -130,7 +130,7 @@ CARRIED_ACKS: Final = Counter(
 )
 
 # Known label values exist from the start, so rate() alerts see a zero series (the drop
-# reasons are created with their table, session_service.session.worker_output.DropReason).
+# reasons are created with their table, session_service.session.lifecycle.DropReason).
 for _stage in ("ack", "first_audio"):
     FRAME_LATENCY.labels(stage=_stage)
 for _result in ("ok", "empty", "failed"):

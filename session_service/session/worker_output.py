@@ -40,8 +40,7 @@ from duplex.errors import BadEventError, ErrorCode, WorkerErrorCode
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.metrics import DROPPED, LATENCY_FIRST_AUDIO
 from session_service.plugin import DuplexModelPlugin, OutputAction
-from session_service.session.lifecycle import DropReason as DropReason
-from session_service.session.lifecycle import SpeechStatus
+from session_service.session.lifecycle import DropReason, SpeechStatus
 
 if TYPE_CHECKING:
     from session_service.session.response import ActiveResponse
@@ -55,9 +54,8 @@ COMPLETED = session_pb2.RESPONSE_STATUS_COMPLETED
 FAILED = session_pb2.RESPONSE_STATUS_FAILED
 
 
-# ``DropReason`` lives in ``lifecycle`` (the outbound queue counts drops too, and must not import
-# this module); it is re-exported here, with its table. Every reason exists from the start, so
-# rate() alerts see a zero series.
+# Every drop reason (``lifecycle.DropReason``) exists from the start, so rate() alerts see a zero
+# series.
 for _reason in DropReason:
     DROPPED[_reason]
 

@@ -23,8 +23,8 @@ from typing import Protocol
 
 from duplex.v1 import common_pb2, worker_pb2
 from session_service.metrics import DROPPED, RECONCILED
+from session_service.session.lifecycle import DropReason
 from session_service.session.runner import SessionRunner, WorkerHandle
-from session_service.session.worker_output import DropReason
 from session_service.workers.sparse_check import route_step
 
 log = logging.getLogger(__name__)
