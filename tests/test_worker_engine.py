@@ -88,7 +88,7 @@ class FakeModel(StepModel[_St]):
         return StepResult(outputs={"audio": audio, "meta": meta}, news=news)
 
 
-def test_round_robin_beyond_max_batch() -> None:
+def test_round_robin_beyond_max_batch_on_the_free_clock() -> None:
     seen: list[list[str]] = []
     done = threading.Event()
 
@@ -99,7 +99,7 @@ def test_round_robin_beyond_max_batch() -> None:
         if sum(len(b) for b in seen) >= 30:
             done.set()
 
-    engine = Engine(FakeModel, sink=sink, max_batch=2)
+    engine = Engine(FakeModel, sink=sink, max_batch=2, clock="free")
     cmds = []
     for i in range(3):
         work = Work(
@@ -231,7 +231,7 @@ def _stepped_once(
 ) -> Iterator[tuple[Engine, _Steps]]:
     """A running engine whose first step (r0, one frame) is done: the interval runs from it."""
     steps = _Steps()
-    engine = Engine(model, sink=steps, max_batch=max_batch, step_interval_s=step_interval_s)
+    engine = Engine(model, sink=steps, max_batch=max_batch, step_interval_s=step_interval_s, clock="free")
     engine.start()
     try:
         engine.submit([_append(0)])
@@ -286,7 +286,9 @@ def test_a_request_behind_steps_at_once_and_the_interval_stays_below_the_frame_p
     assert events[2][0] - events[1][0] >= 1.2  # one frame left: no longer behind, so it waits
     # An interval a model's frame could not keep up with fails the engine as it loads.
     failed: list[BaseException] = []
-    engine = Engine(FakeModel, sink=lambda items: None, step_interval_s=0.032, on_fatal=failed.append)
+    engine = Engine(
+        FakeModel, sink=lambda items: None, step_interval_s=0.032, on_fatal=failed.append, clock="free"
+    )
     engine.start()
     engine.stop()
     assert engine.dead is not None and "frame period (32 ms)" in str(engine.dead) and failed == [engine.dead]
@@ -302,3 +304,92 @@ def test_step_interval_is_bounded_in_the_config() -> None:
             WorkerConfig(step_interval_ms=bad)
     with pytest.raises(ValueError, match="step_interval_s"):
         Engine(FakeModel, sink=lambda items: None, step_interval_s=-0.1)
+
+
+class _SecondFrames(FakeModel):
+    """1 s frames: a frame clock ticking once a second."""
+
+    frame_samples = PCM16K_MONO.sample_rate_hz
+
+
+class _FreeSecondFrames(_SecondFrames):
+    free_running = True
+
+
+def _frames(i: int, frames: int) -> Enqueue:
+    work = Work(
+        APPEND,
+        Fence(f"s{i}", 1, 0),
+        "o",
+        f"r{i}",
+        seq=1,
+        frames=np.zeros((frames, _SecondFrames.frame_samples), np.float32),
+    )
+    return Enqueue(work, QueueCounter())
+
+
+def test_the_frame_clock_steps_every_runnable_request_once_per_tick() -> None:
+    steps = _Steps()
+    engine = Engine(_SecondFrames, sink=steps, max_batch=2)  # the frame clock is the default
+    engine.start()
+    try:
+        engine.submit([_frames(0, 1)])
+        steps.wait_for(1)  # the first tick is at once
+        for i in (1, 2, 3):
+            time.sleep(0.05)  # on the free clock each would take a step of its own, at once
+            engine.submit([_frames(i, 1)])
+        events = steps.wait_for(3)
+    finally:
+        engine.stop()
+    # All three in the next tick: one step for the batch, in chunks of max_batch.
+    assert [(kind, rids) for _, kind, rids in events] == [
+        ("step", ["r0"]),
+        ("step", ["r1", "r2"]),
+        ("step", ["r3"]),
+    ]
+    assert events[1][0] - events[0][0] >= 0.7  # waited for the tick (one frame period)
+    assert events[2][0] - events[1][0] < 0.5  # the chunks of one tick go together
+
+
+def test_a_request_behind_catches_up_by_extra_frames_in_the_next_ticks() -> None:
+    steps = _Steps()
+    engine = Engine(_SecondFrames, sink=steps, max_batch=8)
+    # Queued before the engine starts: both are there for the first tick.
+    engine.submit([_frames(0, 5), _frames(1, 3)])
+    engine.start()
+    try:
+        events = steps.wait_for(5)
+    finally:
+        engine.stop()
+    assert [rids for _, _, rids in events] == [
+        ["r0", "r1"],  # the tick's step
+        ["r0", "r1"],  # catching up: r0 is behind; r1 still has a frame and shares the step
+        ["r0", "r1"],  # the second (last) catch-up step of the tick
+        ["r0"],  # next tick: r0 has two left; one after its step is not behind
+        ["r0"],
+    ]
+    t = [when for when, _, _ in events]
+    assert t[2] - t[0] < 0.5  # three steps in the first tick
+    assert t[3] - t[2] >= 0.7 and t[4] - t[3] >= 0.7  # then one per tick
+
+
+def test_a_free_running_model_is_stepped_as_its_input_comes() -> None:
+    steps = _Steps()
+    engine = Engine(_FreeSecondFrames, sink=steps)  # asks for free steps: the clock does not apply
+    engine.start()
+    try:
+        engine.submit([_frames(0, 3)])
+        events = steps.wait_for(3)
+    finally:
+        engine.stop()
+    assert [rids for _, _, rids in events] == [["r0"], ["r0"], ["r0"]]
+    assert events[2][0] - events[0][0] < 0.7  # not one a second
+
+
+def test_the_clock_is_a_config_choice() -> None:
+    assert WorkerConfig().clock == "frame"
+    assert config_from_args(build_parser().parse_args(["--clock", "free"])).clock == "free"
+    with pytest.raises(ValueError, match="clock"):
+        WorkerConfig(clock="fast")  # type: ignore[arg-type]  # what the check is for
+    with pytest.raises(ValueError, match="clock"):
+        Engine(FakeModel, sink=lambda items: None, clock="fast")  # type: ignore[arg-type]  # likewise

@@ -20,6 +20,7 @@ from duplex.serving import (
 )
 from duplex.tls import ServerTLS
 from worker_service.config import (
+    CLOCKS,
     DEFAULT_ATTACH_LEASE_S,
     DEFAULT_MAX_CLOSED_SESSIONS,
     DEFAULT_MAX_SESSIONS,
@@ -47,12 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda[:i]")
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="frame",
+        help="the engine's schedule: frame = one model step per frame period for every session "
+        "with a frame ready (default; the largest batches, at most one frame period more latency "
+        "per hop); free = a step as soon as input is queued (see --step-interval-ms)",
+    )
+    p.add_argument(
         "--step-interval-ms",
         type=float,
         default=0.0,
-        help="least time between the starts of two model steps: inputs arriving within it share "
-        "one step (larger batches, less CPU per frame, up to this much more latency); 0 = step as "
-        "soon as any input is queued (default)",
+        help="with --clock free: least time between the starts of two model steps: inputs "
+        "arriving within it share one step (larger batches, less CPU per frame, up to this much "
+        "more latency); 0 = step as soon as any input is queued (default)",
     )
     p.add_argument(
         "--max-sessions",
@@ -204,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         metrics_port=args.metrics_port,
         device=args.device,
         max_batch=args.max_batch,
+        clock=args.clock,
         step_interval_ms=args.step_interval_ms,
         max_sessions=args.max_sessions,
         max_queued_frames=args.max_queued_frames,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Final, Literal
 
 from duplex.serving import EVENT_LOOPS
 from duplex.tls import ServerTLS
@@ -35,6 +36,11 @@ def _worker_id() -> str:
 #: loads, is the bound that matters (a request must keep real time).
 MAX_STEP_INTERVAL_MS = 1000.0
 
+Clock = Literal["frame", "free"]
+"""The engine's schedule (``worker_service.engine``): ``frame`` ticks once per frame period and
+steps every runnable request; ``free`` steps whenever there is work."""
+CLOCKS: Final[tuple[Clock, ...]] = ("frame", "free")
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -52,10 +58,14 @@ class WorkerConfig:
     """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
     max_batch: int = 256
     """Most requests stepped in one model step; more are served round-robin."""
+    clock: Clock = "frame"
+    """The engine's schedule: ``frame`` (one model step per frame period for every session with
+    a frame ready: the largest batches, at most one frame period more latency per hop) or
+    ``free`` (a step as soon as input is queued, with ``step_interval_ms``)."""
     step_interval_ms: float = 0.0
-    """Least time between the starts of two model steps (0 = step as soon as any input is
-    queued). Inputs arriving within it share one step: larger batches and less CPU per frame
-    under partial load, for up to this much more latency per hop. ``max_batch`` runnable
+    """With ``clock="free"``: least time between the starts of two model steps (0 = step as
+    soon as any input is queued). Inputs arriving within it share one step: larger batches and
+    less CPU per frame under partial load, for up to this much more latency per hop. ``max_batch`` runnable
     requests, or a request with more than one frame queued, step at once. It must be below the
     model's frame period (32 ms for both models here; checked when the model loads): a model
     that steps replies without input (not lockstep) generates one frame per request per step."""
@@ -114,6 +124,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if not 0.0 <= self.step_interval_ms <= MAX_STEP_INTERVAL_MS:

@@ -1,23 +1,33 @@
 """The engine: ONE thread owns torch and the device and steps every request that has work.
 
 Continuous batching (vLLM v1 style): requests join and leave between steps; each step takes
-every runnable request (up to ``max_batch``, round-robin beyond it), consumes at most one input
-frame per request, runs one batched model step, and hands per-owner results to ``sink`` without
-waiting for anyone (the server's sink is ``loop.call_soon_threadsafe`` into bounded per-owner
-queues). When nothing is runnable the thread blocks on a condition: no busy waiting.
+runnable requests (up to ``max_batch`` per step), consumes at most one input frame per request,
+runs one batched model step, and hands per-owner results to ``sink`` without waiting for anyone
+(the server's sink is ``loop.call_soon_threadsafe`` into bounded per-owner queues). When nothing
+is runnable the thread blocks on a condition: no busy waiting.
 
-With a ``step_interval_s``, a step starts no sooner than that after the previous one started:
-inputs that arrive meanwhile join one larger batch instead of each taking a small step of its
-own. Commands are still applied as they come. A request waits at most the interval, and not at
-all when the previous step is older than that. A step starts at once when ``max_batch``
-requests are runnable or when a request has more than one unit queued (it is behind: a step
-takes one frame per request). The interval must be below the model's frame period, or a
-request could not keep real time.
+**The frame clock** (``clock="frame"``, the default): duplex models run in lockstep, one model
+step per frame period for every stream (moshi-server's fixed slots). The engine ticks once per
+frame period of the model; a tick steps EVERY runnable request (in chunks of ``max_batch``), so
+the batch is every session with a frame ready (or a reply to advance), whatever its client's
+transport or append size. Input arriving between ticks waits for the next one (at most one
+frame period). A request more than one frame behind after the tick's step (a burst, a replay
+after a move) catches up by extra frames in the following ticks: up to ``CATCH_UP_STEPS`` more
+steps per tick, each taking every request that still has a frame queued, so the behind share
+steps instead of each taking steps of its own. A tick that starts late does not make the next
+ones bunch up: the clock starts again from it.
+
+``clock="free"`` steps as soon as there is work (round-robin beyond ``max_batch``), optionally no
+sooner than ``step_interval_s`` after the previous step started (inputs arriving meanwhile join
+one larger batch; a full batch, or a request more than one frame behind, steps at once; the
+interval must be below the frame period). A model that must run free (``StepModel.free_running``)
+gets it whatever the engine was asked for.
 
 The asyncio side talks to the engine only through ordered commands (``Enqueue``, ``AbortOlder``,
-``ReleaseSession``) applied between steps, so model state and queues need no locks. Errors are
-split the vLLM v1 way: a per-request failure becomes that request's error update and the batch
-goes on; an exception escaping the model's batched step is fatal (``on_fatal``).
+``ReleaseSession``) applied as they come, between steps, so model state and queues need no
+locks. Errors are split the vLLM v1 way: a per-request failure becomes that request's error
+update and the batch goes on; an exception escaping the model's batched step is fatal
+(``on_fatal``).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -38,6 +48,7 @@ from duplex.errors import DuplexError, ErrorCode
 from duplex.fence import Fence
 from duplex.sparse import InvalidSparseDeclaration, record_fail_closed, typed_audio_payloads
 from duplex.v1 import common_pb2, worker_pb2
+from worker_service.config import CLOCKS, Clock
 from worker_service.engine_types import (
     APPEND,
     CLEAR,
@@ -64,6 +75,12 @@ __all__ += ["Enqueue", "OwnerStep", "QueueCounter", "ReleaseSession", "Sink", "U
 
 logger = logging.getLogger(__name__)
 
+#: Frame clock: most extra steps in one tick for requests more than one frame behind.
+CATCH_UP_STEPS: Final = 2
+#: Frame clock: a request with at least this many input frames left after the tick's step is
+#: behind (one left is the jitter of arrivals around the tick, caught up as it comes).
+CATCH_UP_BACKLOG: Final = 2
+
 
 @dataclass(slots=True, eq=False)
 class _Request:
@@ -80,6 +97,10 @@ class _Request:
     seq_reported: int = 0
     input_replay: bool = False
     """The frame taken last came from a replayed APPEND."""
+
+    def input_frames(self) -> int:
+        """Input frames queued (the queue is a few submissions long)."""
+        return sum(len(w.frames) - w.pos for w in self.queue if w.frames is not None)
 
 
 def _error(work: Work, err: DuplexError) -> Update:
@@ -99,9 +120,12 @@ class Engine:
         on_fatal: Callable[[BaseException], object] | None = None,
         torch_threads: int = 0,
         step_interval_s: float = 0.0,
+        clock: Clock = "frame",
     ) -> None:
         if step_interval_s < 0:
             raise ValueError("step_interval_s must be >= 0")
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}")
         self._factory = model_factory
         self._sink = sink
         self._max_batch = max_batch
@@ -109,6 +133,9 @@ class Engine:
         self._on_fatal = on_fatal
         self._torch_threads = torch_threads
         self._step_interval = step_interval_s
+        self._clock: Clock = clock
+        self._period = 0.0
+        """Frame clock: the model's frame period in seconds (0: the free clock)."""
         self._cond = threading.Condition()
         self._inbox: list[EngineCommand] = []
         self._stopping = False
@@ -121,7 +148,7 @@ class Engine:
         self._queued_units = 0
         self._step_no = 0
         self._next_step_at = 0.0
-        """``time.monotonic()`` before which no step starts (with a step interval)."""
+        """``time.monotonic()`` before which no step starts (a step interval or the next tick)."""
         self._fmt: common_pb2.AudioFormat | None = None
 
     # -- the asyncio side's API (thread-safe) ---------------------------------------------------
@@ -177,6 +204,8 @@ class Engine:
                         f"the step interval ({1000 * self._step_interval:g} ms) must be below the "
                         f"model's frame period ({1000 * frame_s:g} ms)"
                     )
+                if self._clock == "frame" and not model.free_running:
+                    self._period = frame_s
                 self.model = model
                 self._fmt = model.audio_format.to_proto()
                 if self._on_ready is not None:
@@ -208,7 +237,12 @@ class Engine:
         news: dict[str, list[Update]] = {}
         self._apply(model, commands, news)
         results: list[tuple[str, OwnerStep]] = []
-        step_outputs = self._step(model, news) if self._runnable and self._step_wait() <= 0 else []
+        step_outputs: list[tuple[str, OwnerStep]] = []
+        if self._runnable and self._step_wait() <= 0:
+            if self._period:
+                step_outputs = self._tick(model, news)
+            else:
+                step_outputs = self._step(model, news, self._select())
         results = [(owner, OwnerStep(step=0, updates=u)) for owner, u in news.items() if u]
         results.extend(step_outputs)
         ACTIVE_REQUESTS.set(len(self._requests))
@@ -219,6 +253,8 @@ class Engine:
 
     def _step_wait(self) -> float:
         """Seconds until the next step may start (<= 0: now)."""
+        if self._period:
+            return self._next_step_at - time.monotonic()
         if (
             not self._step_interval
             or len(self._runnable) >= self._max_batch
@@ -366,13 +402,43 @@ class Engine:
             runnable.move_to_end(req.session_id)
         return chosen
 
-    def _step(self, model: StepModel[Any], news: dict[str, list[Update]]) -> list[tuple[str, OwnerStep]]:
+    def _tick(self, model: StepModel[Any], news: dict[str, list[Update]]) -> list[tuple[str, OwnerStep]]:
+        """One tick of the frame clock: every runnable request steps once, then those behind
+        catch up together (see the module docstring)."""
+        now = time.monotonic()
+        due = self._next_step_at
+        # On time (or a little late): the next tick one period after this one was due, so the
+        # clock keeps its phase. Idle or far behind: it starts again from now.
+        self._next_step_at = due + self._period if now - due < self._period else now + self._period
+        out = self._step_all(model, news, list(self._runnable.values()))
+        for _ in range(CATCH_UP_STEPS):
+            behind = [r for r in self._runnable.values() if r.input_frames()]
+            if not any(r.input_frames() >= CATCH_UP_BACKLOG for r in behind):
+                break
+            out.extend(self._step_all(model, news, behind))
+        return out
+
+    def _step_all(
+        self, model: StepModel[Any], news: dict[str, list[Update]], reqs: list[_Request]
+    ) -> list[tuple[str, OwnerStep]]:
+        """Step ``reqs`` in batches of at most ``max_batch``."""
+        size = self._max_batch
+        if len(reqs) <= size:
+            return self._step(model, news, reqs)
+        out: list[tuple[str, OwnerStep]] = []
+        for i in range(0, len(reqs), size):
+            out.extend(self._step(model, news, reqs[i : i + size]))
+        return out
+
+    def _step(
+        self, model: StepModel[Any], news: dict[str, list[Update]], chosen: list[_Request]
+    ) -> list[tuple[str, OwnerStep]]:
         t0 = time.perf_counter()
         batch: list[_Request] = []
         fences: list[Fence] = []
         rows: list[FloatArray | None] = []
         replayed: list[bool] = []
-        for req in self._select():
+        for req in chosen:
             frame = self._prepare(model, req, news)
             # A lockstep model advances a reply only with an input frame, so a replying request
             # without one has nothing to step until input arrives (no spinning).
@@ -393,7 +459,7 @@ class Engine:
             replayed.append(frame is not None and req.input_replay)
         if not batch:
             return []
-        if self._step_interval:
+        if self._step_interval and not self._period:
             self._next_step_at = time.monotonic() + self._step_interval
         self._step_no += 1
         size = len(batch)

@@ -117,6 +117,11 @@ class StepModel(ABC, Generic[S]):
     consumes an input frame (one out per one in), so replies run at the pace the input arrives.
     The engine then never steps a replying request without input; the session service keeps a
     turn going without client audio by feeding silence at real-time deadlines."""
+    free_running: bool = False
+    """Step as soon as there is work instead of on the engine's frame clock (one step per frame
+    period for every runnable request; ``worker_service.engine``). For a model whose steps are
+    not tied to real time, e.g. one that generates faster than it plays; neither model here
+    asks for it."""
 
     @abstractmethod
     def parse_options(self, params: Mapping[str, object]) -> object:

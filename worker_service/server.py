@@ -141,6 +141,7 @@ class WorkerServer:
             on_fatal=lambda exc: loop.call_soon_threadsafe(self._engine_failed, exc),
             torch_threads=self.config.torch_threads,
             step_interval_s=self.config.step_interval_ms / 1000.0,
+            clock=self.config.clock,
         )
         fences = FenceTable(
             self.config.max_sessions,
