@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import signal
 import threading
@@ -362,6 +363,16 @@ def run_service(main: Coroutine[Any, Any, _T], event_loop: str = "auto") -> _T:
             return runner.run(main)
     finally:
         main.close()  # a no-op once it ran; otherwise no "coroutine was never awaited" warning
+
+
+def settle_heap() -> None:
+    """Move everything alive now out of the garbage collector's reach (``gc.freeze``); called
+    once a service has started. The startup heap (modules, the model, torch, gRPC) never becomes
+    garbage, yet every full collection scanned it: in a worker that was ~180k objects and a
+    90-100 ms pause about once a second under load, every session's acks stalled behind it.
+    Collections now scan only what serving created."""
+    gc.collect()
+    gc.freeze()
 
 
 def running_loop_name() -> str:

@@ -125,3 +125,16 @@ def test_real_processes_announce_their_loop_uvloop_by_default_asyncio_when_asked
     with LocalStack(startup_timeout_s=60, session_args=flag, worker_args=flag) as stack:
         assert stack.session is not None and stack.session.event_loop == "asyncio"
         assert [w.event_loop for w in stack.worker_children] == ["asyncio"]
+
+
+def test_settle_heap_moves_the_startup_heap_out_of_the_collectors_reach() -> None:
+    import gc
+
+    from duplex.serving import settle_heap
+
+    kept = [[i] for i in range(1000)]  # startup objects that live for good
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() >= len(kept)  # a full collection no longer scans them
+    finally:
+        gc.unfreeze()

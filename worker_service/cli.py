@@ -15,6 +15,7 @@ from duplex.serving import (
     event_loop_name,
     run_service,
     running_loop_name,
+    settle_heap,
     split_host_port,
     stop_signals,
 )
@@ -239,6 +240,7 @@ async def serve(config: WorkerConfig) -> int:
     server = WorkerServer(config)
     with stop_signals() as stop:
         await server.start()
+        settle_heap()  # the model is loaded: its objects are there for good
         metrics = f"{config.metrics_host}:{server.metrics.port}" if server.metrics else ""
         announce = {
             "event": "listening",

@@ -26,6 +26,7 @@ from duplex.serving import (
     running_loop_name,
     serve_metrics,
     server_options,
+    settle_heap,
     split_host_port,
     stop_signals,
 )
@@ -241,6 +242,7 @@ async def serve(cfg: ServiceConfig, plugin: DuplexModelPlugin) -> int:
     """Run until SIGTERM/SIGINT, then drain; returns the exit code."""
     server = SessionServer(cfg, plugin)
     await server.start()
+    settle_heap()
     metrics_port = server.metrics.port if server.metrics is not None else 0
     announce = {
         "event": "listening",
