@@ -27,7 +27,14 @@ def _synthetic(device: torch.device, options: Mapping[str, object]) -> StepModel
     return SyntheticModel(device, **options)  # type: ignore[arg-type]  # see above
 
 
+def _null(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    from worker_service.models.null import NullModel
+
+    return NullModel(device, **options)
+
+
 MODELS: dict[str, ModelFactory] = {
+    "null": _null,
     "parrot": _parrot,
     "synthetic": _synthetic,
 }
