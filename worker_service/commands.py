@@ -11,6 +11,7 @@ raises.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,8 @@ from worker_service.sessions import SessionTable
 logger = logging.getLogger(__name__)
 
 _KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "clear"}
+_SUBMITTED: dict[int, Any] = {kind: SUBMISSIONS.labels(kind=label) for kind, label in _KIND_LABELS.items()}
+_SUBMITTED_UNKNOWN = SUBMISSIONS.labels(kind="unknown")
 
 
 def check_id_length(*ids: str) -> None:
@@ -153,16 +156,23 @@ class CommandHandler:
             if admission.bumped:
                 engine_cmds.append(AbortOlder(ab.fence.session_id, admission.epoch))
             sessions.claim(ab.fence.session_id)
+        # Columnar where it counts: the PCM of every accepted APPEND is decoded in ONE numpy
+        # pass after the loop (each work gets its rows as a view), and submissions are counted
+        # per kind once per command.
+        appends: list[tuple[Work, bytes]] = []
+        kinds: Counter[int] = Counter()
+        max_queued = self._config.max_queued_frames
         for sub in cmd.submit:
-            SUBMISSIONS.labels(kind=_KIND_LABELS.get(sub.kind, "unknown")).inc()
+            kinds[sub.kind] += 1
             try:
-                work = to_work(model, owner, sub)
-                admission = fences.check(sub.fence.session_id, sub.fence.epoch, owner)
-                counter = sessions.counter(sub.fence.session_id)
-                if counter.depth + work.units > self._config.max_queued_frames:
+                work, pcm = parse_submission(model, owner, sub)
+                fence = work.fence
+                admission = fences.check(fence.session_id, fence.epoch, owner)
+                counter = sessions.counter(fence.session_id)
+                units = work.units if pcm is None else len(pcm) // _frame_bytes(model)
+                if counter.depth + units > max_queued:
                     raise CapacityError(
-                        WorkerErrorCode.CAPACITY,
-                        f"the request's input queue is full ({self._config.max_queued_frames} frames)",
+                        WorkerErrorCode.CAPACITY, f"the request's input queue is full ({max_queued} frames)"
                     )
             except DuplexError as err:
                 rejected.append(
@@ -170,10 +180,15 @@ class CommandHandler:
                 )
                 continue
             if admission.bumped:
-                engine_cmds.append(AbortOlder(sub.fence.session_id, admission.epoch))
-            counter.submitted += work.units
-            sessions.submitted(sub.fence.session_id, sub.request_id)
+                engine_cmds.append(AbortOlder(fence.session_id, admission.epoch))
+            counter.submitted += units
+            sessions.submitted(fence.session_id, work.request_id)
             engine_cmds.append(Enqueue(work, counter))
+            if pcm is not None:
+                appends.append((work, pcm))
+        decode_appends(model, appends)
+        for kind, n in kinds.items():
+            _SUBMITTED.get(kind, _SUBMITTED_UNKNOWN).inc(n)
         for rel in cmd.release:
             sid = rel.fence.session_id
             if len(sid) > MAX_ID_LENGTH:
@@ -195,15 +210,50 @@ class CommandHandler:
             self._hub.send_updates(owner, rejected)
 
 
+def _frame_bytes(model: StepModel[Any]) -> int:
+    return model.frame_samples * model.audio_format.frame_bytes
+
+
 def to_work(model: StepModel[Any], owner: str, sub: worker_pb2.Submission) -> Work:
     """Validate one submission and turn it into engine work (an APPEND's PCM into float frames);
     raises ``bad_submission``."""
-    if not sub.request_id or not sub.fence.session_id:
+    work, pcm = parse_submission(model, owner, sub)
+    if pcm is not None:
+        decode_appends(model, [(work, pcm)])
+    return work
+
+
+def decode_appends(model: StepModel[Any], appends: list[tuple[Work, bytes]]) -> None:
+    """Decode the s16 PCM of validated APPENDs in one pass and give each work its frames, a
+    view of ``(n, frame_samples)`` float32 rows."""
+    if not appends:
+        return
+    pcm = appends[0][1] if len(appends) == 1 else b"".join(p for _, p in appends)
+    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32)
+    samples *= np.float32(1.0 / 32768.0)
+    frames = samples.reshape(-1, model.frame_samples)
+    frame_bytes = _frame_bytes(model)
+    pos = 0
+    for work, data in appends:
+        n = len(data) // frame_bytes
+        work.frames = frames[pos : pos + n]
+        pos += n
+
+
+def parse_submission(
+    model: StepModel[Any], owner: str, sub: worker_pb2.Submission
+) -> tuple[Work, bytes | None]:
+    """Validate one submission into engine work; an APPEND's PCM comes back beside it, checked
+    (whole frames) and not yet decoded (``decode_appends``). Raises ``bad_submission``."""
+    # Each field read once: every read of a protobuf field is a lookup (a copy, for bytes).
+    request_id, fence, kind = sub.request_id, sub.fence, sub.kind
+    session_id = fence.session_id
+    if not request_id or not session_id:
         raise bad_submission("a submission needs request_id and fence.session_id")
-    if len(sub.request_id) > MAX_ID_LENGTH or len(sub.fence.session_id) > MAX_ID_LENGTH:
+    if len(request_id) > MAX_ID_LENGTH or len(session_id) > MAX_ID_LENGTH:
         raise bad_submission(f"ids are at most {MAX_ID_LENGTH} characters")
-    if sub.kind not in _KIND_LABELS:
-        raise bad_submission(f"unknown submission kind {int(sub.kind)}")
+    if kind not in _KIND_LABELS:
+        raise bad_submission(f"unknown submission kind {int(kind)}")
     options = None
     if sub.HasField("params"):
         params = options_from_struct(sub.params)  # non-finite numbers: bad_submission
@@ -216,22 +266,15 @@ def to_work(model: StepModel[Any], owner: str, sub: worker_pb2.Submission) -> Wo
             # bad submission, not a failure of the owner's whole stream.
             logger.info("submission params refused by the model: %r", exc)
             raise bad_submission("invalid params") from exc
-    work = Work(
-        kind=sub.kind,
-        fence=Fence.from_proto(sub.fence),
-        owner=owner,
-        request_id=sub.request_id,
-        options=options,
-    )
-    if sub.kind == APPEND:
-        fmt = model.audio_format
-        frame_bytes = model.frame_samples * fmt.frame_bytes
-        if not sub.pcm or len(sub.pcm) % frame_bytes:
-            raise bad_submission(
-                f"APPEND pcm of {len(sub.pcm)} bytes is not a whole number of {frame_bytes}-byte frames"
-            )
-        samples = np.frombuffer(sub.pcm, dtype="<i2").astype(np.float32) * np.float32(1.0 / 32768.0)
-        work.frames = samples.reshape(-1, model.frame_samples)
-        work.seq = sub.seq
-        work.replay = sub.replay
-    return work
+    work = Work(kind, Fence(session_id, fence.epoch, fence.turn_id), owner, request_id, options=options)
+    if kind != APPEND:
+        return work, None
+    pcm = sub.pcm
+    frame_bytes = _frame_bytes(model)
+    if not pcm or len(pcm) % frame_bytes:
+        raise bad_submission(
+            f"APPEND pcm of {len(pcm)} bytes is not a whole number of {frame_bytes}-byte frames"
+        )
+    work.seq = sub.seq
+    work.replay = sub.replay
+    return work, pcm

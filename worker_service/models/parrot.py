@@ -327,7 +327,9 @@ class ParrotModel(StepModel[ParrotState]):
         st.offset += len(frame)
         rate = self.audio_format.sample_rate_hz
         silence = int(opts.silence_ms * rate / 1000.0)
-        st.buffer.append(frame, self._max_utterance + silence + 4 * self.frame_samples)
+        # A copy: ``frame`` is a row of the step's whole batch, which a view would keep alive
+        # for as long as the utterance is buffered (seconds of batches, megabytes each).
+        st.buffer.append(frame.copy(), self._max_utterance + silence + 4 * self.frame_samples)
         if prob >= opts.threshold:
             st.silence_start = None
             if not st.in_speech:
