@@ -93,3 +93,62 @@ def test_the_write_window_flag_is_bounded() -> None:
     for bad in ("-1", "51", "nan"):
         with pytest.raises(SystemExit):
             config_from_args([*base, "--worker-write-coalesce-ms", bad])
+
+
+def test_next_tick_is_the_first_one_not_past_and_never_one_already_written_for() -> None:
+    from session_service.workers.link import next_tick
+
+    assert next_tick(now=10.0, announced=10.5, period=1.0, written_for=0.0) == 10.5
+    # Announced ticks are projected forward a period at a time.
+    assert next_tick(now=12.2, announced=10.5, period=1.0, written_for=0.0) == 12.5
+    # A command was written for 12.5 already: what comes after it waits for 13.5.
+    assert next_tick(now=12.2, announced=10.5, period=1.0, written_for=12.5) == 13.5
+
+
+async def _clocked(subs_then_abort: bool) -> tuple[list[worker_pb2.WorkerCommand], list[float], float]:
+    """A link told the worker's next tick is 0.3 s away (a 0.5 s frame period); three sessions
+    submit 10 ms apart, then (``subs_then_abort``) an abort comes. Returns the commands written,
+    when each was written, and when the first submission was made."""
+    link, call = _link(0.002), _Recorder()
+    written_at: list[float] = []
+    record = call.write
+
+    async def write(cmd: worker_pb2.WorkerCommand) -> None:
+        written_at.append(loop.time())
+        await record(cmd)
+
+    call.write = write  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    link._period = 0.5
+    link._tick_at = loop.time() + 0.3
+    sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
+    try:
+        # Warm: several sessions submit, so the link waits for others (a lone one would not).
+        link._shared, link._senders_since = True, loop.time()
+        t0 = loop.time()
+        futures = []
+        for sid in ("s1", "s2", "s3"):
+            futures.append(link.submit([worker_pb2.Submission(request_id=sid)]))
+            await asyncio.sleep(0.01)
+        if subs_then_abort:
+            link.abort(worker_pb2.Abort(request_id="s2"))
+        await asyncio.wait_for(asyncio.gather(*futures), 2)
+        return call.commands, written_at, t0
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+
+
+async def test_against_a_frame_clock_the_link_writes_by_the_tick_just_before_it() -> None:
+    commands, written_at, t0 = await _clocked(False)
+    assert [[s.request_id for s in c.submit] for c in commands] == [["s1", "s2", "s3"]]
+    # Written for the tick (0.3 s away, less the lead), not after the 2 ms window.
+    assert written_at[0] - t0 >= 0.15
+
+
+async def test_an_abort_does_not_wait_for_the_tick() -> None:
+    commands, written_at, t0 = await _clocked(True)
+    assert [s.request_id for s in commands[0].submit] == ["s1", "s2", "s3"]
+    assert [a.request_id for a in commands[0].abort] == ["s2"]
+    assert written_at[0] - t0 < 0.15  # at once, well before the tick's write point

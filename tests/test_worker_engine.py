@@ -393,3 +393,20 @@ def test_the_clock_is_a_config_choice() -> None:
         WorkerConfig(clock="fast")  # type: ignore[arg-type]  # what the check is for
     with pytest.raises(ValueError, match="clock"):
         Engine(FakeModel, sink=lambda items: None, clock="fast")  # type: ignore[arg-type]  # likewise
+
+
+@pytest.mark.parametrize("clock", ["frame", "free"])
+async def test_a_step_says_when_the_next_tick_is(clock: str) -> None:
+    from duplex.v1 import worker_pb2
+
+    async with worker(model_factory=lambda device: FakeModel(), clock=clock) as (_, stub):
+        await stub.Attach(worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1"), timeout=5)
+        run = RunClient(stub, "o1")
+        run.send(sub("r1", "s1", APPEND, seq=1, data=pcm(np.zeros(FRAME, np.float32))))
+        msgs = await run.until(lambda m: m.step > 0)
+        run.close()
+    step = next(m for m in msgs if m.step > 0)
+    if clock == "frame":
+        assert 0 < step.next_tick_us <= 32_000  # within one frame period of the step
+    else:
+        assert step.next_tick_us == 0  # no clock to announce

@@ -416,6 +416,8 @@ class Engine:
             if not any(r.input_frames() >= CATCH_UP_BACKLOG for r in behind):
                 break
             out.extend(self._step_all(model, news, behind))
+        for _, item in out:
+            item.next_tick_at = self._next_step_at
         return out
 
     def _step_all(

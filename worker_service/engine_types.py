@@ -116,6 +116,9 @@ class OwnerStep:
     audio: list[common_pb2.AudioPayload] = field(default_factory=list)
     """Sparse: aligned to ``audio_ids``; dense: aligned to ``batch``."""
     updates: list[Update] = field(default_factory=list)
+    next_tick_at: float = 0.0
+    """Frame clock: ``time.monotonic()`` of the engine's next tick as this step ended (0: the
+    free clock); sent as ``StepOutput.next_tick_us``."""
     held: list[str] = field(default_factory=list)
     """Reconciliation (``step`` 0, first on a new Run stream): sessions the worker held for the
     owner when the stream opened; sent as ``held_sessions`` with their fences as they are when

@@ -8,6 +8,7 @@ older output reaches the owner, even if the engine stepped it a moment before.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from duplex.fence import Fence
@@ -33,6 +34,8 @@ def to_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.Step
         entry = out.batch.add(request_id=rid)
         fence.write_to(entry.fence)
     if item.step:
+        if item.next_tick_at:
+            out.next_tick_us = max(0, int((item.next_tick_at - time.monotonic()) * 1e6))
         mm = out.outputs
         mm.output_type = item.output_type
         mm.sparse_audio = item.sparse

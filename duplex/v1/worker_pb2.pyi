@@ -620,8 +620,17 @@ class StepOutput(_message.Message):
     OUTPUTS_FIELD_NUMBER: _builtins.int
     UPDATES_FIELD_NUMBER: _builtins.int
     HELD_SESSIONS_FIELD_NUMBER: _builtins.int
+    NEXT_TICK_US_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """The worker's step counter (from 1)."""
+    next_tick_us: _builtins.int
+    """With the worker's frame clock (`--clock frame`), in every StepOutput of a
+    step: microseconds from when this message was made until the worker's
+    next tick, which steps whatever input has arrived by then. An owner that
+    sends its submissions once per tick, just before it, has every session's
+    frame in one WorkerCommand and in one step. 0: the worker steps as input
+    comes (free clock), or this message is not a step's.
+    """
     @_builtins.property
     def batch(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntry]:
         """The owner's requests stepped, in batch order."""
@@ -653,10 +662,11 @@ class StepOutput(_message.Message):
         outputs: Global___MultimodalOutputs | None = ...,
         updates: _abc.Iterable[Global___RequestUpdate] | None = ...,
         held_sessions: _abc.Iterable[_common_pb2.Fence] | None = ...,
+        next_tick_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "held_sessions", b"held_sessions", "outputs", b"outputs", "step", b"step", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "held_sessions", b"held_sessions", "next_tick_us", b"next_tick_us", "outputs", b"outputs", "step", b"step", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,11 +1,15 @@
 """A link to one worker: its channel, its description and this replica's one Run stream to it.
 
 The link's sender task coalesces every pending submission, abort and release into ONE
-``WorkerCommand`` per loop iteration (the hop is never one message per frame). Its reader hands
-each ``StepOutput`` to the router. A link that loses its stream is unhealthy at once, tells the
-router (its sessions get ``worker_unavailable`` and move on their next submission), then
-reconnects with jittered backoff; the channel's own reconnect backoff is capped the same way, so
-a worker restarted after a long outage is back within ``backoff_max_s`` or so.
+``WorkerCommand`` per loop iteration (the hop is never one message per frame). Against a worker
+on a frame clock (its steps carry ``next_tick_us``) and while several sessions submit, it writes
+at most twice per tick, the last a little ahead of it (``TICK_LEAD``, ``WRITES_PER_TICK``): the
+sessions' frames of a tick travel in one or two commands, not one each. An abort (a barge-in)
+goes at once, and a lone session's input is never held back. Its reader hands each ``StepOutput``
+to the router. A link that loses its stream is unhealthy at once, tells the router (its sessions
+get ``worker_unavailable`` and move on their next submission), then reconnects with jittered
+backoff; the channel's own reconnect backoff is capped the same way, so a worker restarted after a
+long outage is back within ``backoff_max_s`` or so.
 
 With ``credentials`` (mutual TLS towards the workers) the channel is a TLS channel made from
 ``ChannelCredentials.current()``; a reconnect asks again and, when the certificate files changed
@@ -39,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -66,6 +71,16 @@ BACKOFF_INITIAL_S = 0.1
 #: several do).
 _SENDERS_LOOK_S = 0.1
 
+#: How far ahead of the worker's next tick (a fraction of its frame period) a link writes its
+#: command for the tick: room for the hop and the worker's handling of the command.
+TICK_LEAD = 0.15
+
+#: Commands written per worker tick (at most): the last TICK_LEAD before the tick, the others
+#: evenly before it. More than one because a session's runner waits for its submission to be
+#: written before it takes its next input: written once per tick, a session whose appends once
+#: came two between writes would stay a frame behind for good; twice, it catches up.
+WRITES_PER_TICK = 2
+
 #: Default stall timeout of a link (``ServiceConfig.worker_stall_timeout_s``); 0 turns it off.
 DEFAULT_STALL_TIMEOUT_S = 3.0
 
@@ -79,6 +94,23 @@ def _always(link: WorkerLink, worker_id: str) -> bool:
 
 def _nothing(link: WorkerLink) -> None:
     pass
+
+
+def next_tick(now: float, announced: float, period: float, written_for: float) -> float:
+    """The worker tick a command written from ``now`` is for: the first one not yet past,
+    projected from the ``announced`` one a period at a time, and never one a command was already
+    ``written_for`` (what arrives after that write waits for the next tick)."""
+    tick = announced
+    if tick < now:
+        tick += period * math.ceil((now - tick) / period)
+    if tick - written_for < period / 2:
+        tick += period
+    return tick
+
+
+def _wake_nap(nap: asyncio.Future[None]) -> None:
+    if not nap.done():
+        nap.set_result(None)
 
 
 def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
@@ -166,6 +198,14 @@ class WorkerLink:
         self._attaching: Counter[str] = Counter()
         """Sessions with an Attach in flight on this link (reconciliation leaves them alone)."""
         self._wake = asyncio.Event()
+        self._nap: asyncio.Future[None] | None = None
+        """The sender's wait for the tick's write point (an abort ends it early)."""
+        self._tick_at = 0.0
+        """Loop time of the worker's next tick as its last step said (0: no frame clock)."""
+        self._period = 0.0
+        """The worker's frame period in seconds (from Describe)."""
+        self._written_for = 0.0
+        """The tick the last command was written for (the next one waits for the tick after)."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.commands_sent = 0
@@ -233,6 +273,8 @@ class WorkerLink:
         if self._healthy:
             self._pending.abort.append(abort)
             self._wake.set()
+            if self._nap is not None and not self._nap.done():
+                self._nap.set_result(None)  # a barge-in does not wait for the tick
 
     def release(self, release: worker_pb2.Release) -> None:
         """Release a session at the worker: with the next command, or, while the link has no
@@ -305,6 +347,8 @@ class WorkerLink:
                 worker_id = worker_key(desc, self.address)
                 self.description = desc
                 self.worker_id = worker_id
+                rate = desc.audio_format.sample_rate_hz
+                self._period = desc.frame_samples / rate if rate and desc.frame_samples else 0.0
                 if self._claim(self, worker_id):
                     await self._serve_stream()
                 else:
@@ -343,6 +387,7 @@ class WorkerLink:
             self._kept.keep([r for r in kept if r.fence.session_id not in self._kept], count=False)
             raise
         self.generation += 1
+        self._tick_at = 0.0  # a new stream (maybe a restarted worker): its clock is not known yet
         self.liveness.reset()
         self._healthy = True
         if self._kept:  # released while the first command was being written
@@ -385,11 +430,14 @@ class WorkerLink:
         self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
     ) -> None:
         heard = self.liveness.heard
+        loop = asyncio.get_running_loop()
         while True:
             step = await call.read()
             if not isinstance(step, worker_pb2.StepOutput):  # grpc.aio.EOF
                 raise ConnectionError("worker closed the Run stream")
             heard(step)
+            if step.next_tick_us:
+                self._tick_at = loop.time() + step.next_tick_us / 1e6
             try:
                 self._on_step(self, step)
             except Exception:
@@ -436,8 +484,9 @@ class WorkerLink:
             if coalesce > 0 and not self._pending.abort and self._worth_waiting():
                 # Every WorkerCommand is a syscall and a wake-up on both ends: submissions of
                 # sessions that arrive within the window share one (and the worker's next step).
-                # An abort (a barge-in) goes at once.
-                await asyncio.sleep(coalesce)
+                # Against a frame clock the window runs to just before the next tick: one
+                # command per tick. An abort (a barge-in) goes at once.
+                await self._until_write_point(coalesce)
             self._wake.clear()
             pending, self._pending = self._pending, _Pending()
             if not (pending.submit or pending.abort or pending.release):
@@ -464,6 +513,27 @@ class WorkerLink:
             for fut in pending.futures:
                 if not fut.done():
                     fut.set_result(None)
+
+    async def _until_write_point(self, coalesce: float) -> None:
+        """Wait until the command should be written: ``TICK_LEAD`` before the worker's next
+        tick (projected from the last one it announced), or ``coalesce`` without a clock; an
+        abort ends the wait."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        delay = coalesce
+        if self._tick_at and self._period:
+            point = next_tick(now, self._tick_at, self._period / WRITES_PER_TICK, self._written_for)
+            self._written_for = point
+            delay = point - TICK_LEAD * self._period - now
+        if delay <= 0:
+            return
+        nap = self._nap = loop.create_future()
+        timer = loop.call_later(delay, _wake_nap, nap)
+        try:
+            await nap
+        finally:
+            timer.cancel()
+            self._nap = None
 
     def _worth_waiting(self) -> bool:
         """Whether other sessions may join a command within the window: more than one session
