@@ -12,9 +12,10 @@ frame period of the model; a tick steps EVERY runnable request (in chunks of ``m
 the batch is every session with a frame ready (or a reply to advance), whatever its client's
 transport or append size. Input arriving between ticks waits for the next one (at most one
 frame period). A request more than one frame behind after the tick's step (a burst, a replay
-after a move) catches up by extra frames in the following ticks: up to ``CATCH_UP_STEPS`` more
-steps per tick, each taking every request that still has a frame queued, so the behind share
-steps instead of each taking steps of its own. A tick that starts late does not make the next
+after a move, a client sending faster than real time) catches up by extra frames: up to
+``CATCH_UP_STEPS`` more steps per tick while the tick has used less than ``CATCH_UP_BUDGET`` of
+its period, each taking every request that still has a frame queued, so the behind share steps
+instead of each taking steps of its own. A tick that starts late does not make the next
 ones bunch up: the clock starts again from it.
 
 ``clock="free"`` steps as soon as there is work (round-robin beyond ``max_batch``), optionally no
@@ -75,8 +76,12 @@ __all__ += ["Enqueue", "OwnerStep", "QueueCounter", "ReleaseSession", "Sink", "U
 
 logger = logging.getLogger(__name__)
 
-#: Frame clock: most extra steps in one tick for requests more than one frame behind.
-CATCH_UP_STEPS: Final = 2
+#: Frame clock: most extra steps in one tick for requests more than one frame behind (so a
+#: client sending up to this many times faster than real time is still consumed as it sends).
+CATCH_UP_STEPS: Final = 8
+#: Frame clock: catching up stops once the tick has used this share of its frame period (the
+#: next tick must start on time for everyone).
+CATCH_UP_BUDGET: Final = 0.5
 #: Frame clock: a request with at least this many input frames left after the tick's step is
 #: behind (one left is the jitter of arrivals around the tick, caught up as it comes).
 CATCH_UP_BACKLOG: Final = 2
@@ -411,9 +416,12 @@ class Engine:
         # clock keeps its phase. Idle or far behind: it starts again from now.
         self._next_step_at = due + self._period if now - due < self._period else now + self._period
         out = self._step_all(model, news, list(self._runnable.values()))
+        budget_end = now + CATCH_UP_BUDGET * self._period
         for _ in range(CATCH_UP_STEPS):
             behind = [r for r in self._runnable.values() if r.input_frames()]
             if not any(r.input_frames() >= CATCH_UP_BACKLOG for r in behind):
+                break
+            if time.monotonic() >= budget_end:
                 break
             out.extend(self._step_all(model, news, behind))
         for _, item in out:
