@@ -15,6 +15,7 @@ import json
 import math
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._sys import FRAME_MS, CpuMeter, pct, summary_ms
+from duplex import spawn
 
 
 @dataclass
@@ -90,7 +92,7 @@ def run_load(
             first = 0
             for i, c in enumerate(counts):
                 procs.append(
-                    subprocess.Popen(
+                    spawn.popen(
                         [
                             sys.executable,
                             "-m",
@@ -123,6 +125,7 @@ def run_load(
                         stderr=logs[i],
                         text=True,
                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                        parent_death_signal=signal.SIGTERM,  # gone with this section, even killed
                     )
                 )
                 first += c

@@ -16,6 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from duplex import spawn
+
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 
@@ -49,7 +51,7 @@ def record(
         return None
     flags = [*(["--gil"] if gil else []), *(["--threads"] if threads else [])]
     flags += ["--native"] if native else ["--nonblocking"]
-    return subprocess.Popen(
+    return spawn.popen(
         [
             exe,
             "record",

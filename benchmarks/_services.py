@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import IO
 
 from benchmarks._sys import reap
+from duplex import spawn
 from duplex.stack import Child, LocalStack
 
 PLUGINS = {
@@ -87,7 +88,7 @@ def show_log(log: IO[str], name: str, limit: int = 4000) -> None:
 def lone_worker(model: str, flags: list[str], *, timeout_s: float = 90.0) -> Iterator[Child]:
     """``duplex worker`` alone (no session service), stopped by its pid afterwards."""
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(
+        proc = spawn.popen(
             [
                 sys.executable,
                 "-m",
@@ -108,6 +109,7 @@ def lone_worker(model: str, flags: list[str], *, timeout_s: float = 90.0) -> Ite
             stderr=log,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            parent_death_signal=signal.SIGTERM,  # gone with this section, even when it is killed
         )
         try:
             worker = _announce(proc, timeout_s)

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from typing import Any
 import grpc
 
 from benchmarks._sys import NoMeasurement, fail, proc_detail, reap, write_result
+from duplex import spawn
 from duplex.serving import CHANNEL_OPTIONS, SERVER_OPTIONS
 
 METHOD = "/benchmark.Echo/Echo"
@@ -97,11 +99,12 @@ async def drive(port: int, streams: int, period_s: float, until: float) -> int:
 def start_server() -> tuple[subprocess.Popen[str], int]:
     """The echo server in a process of its own, and its port once it says it listens (within
     ``START_TIMEOUT_S``, else ``NoMeasurement`` and the process is stopped)."""
-    proc = subprocess.Popen(
+    proc = spawn.popen(
         [sys.executable, "-m", "benchmarks.grpc_echo", "--serve"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        parent_death_signal=signal.SIGTERM,
     )
     try:
         assert proc.stdout is not None

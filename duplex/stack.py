@@ -5,7 +5,9 @@ children on free loopback ports (port 0; each announces its address in one JSON 
 stdout), waits until the session service's gRPC health says SERVING, and stops them all
 by pid. Children run in their own process groups (a terminal's Ctrl-C reaches only us, so
 we can stop them in order) and, on Linux, get SIGTERM from the kernel if we die, even by
-SIGKILL (PR_SET_PDEATHSIG), so no orphan outlives the stack.
+SIGKILL (PR_SET_PDEATHSIG), so no orphan outlives the stack. They are started by
+``duplex.spawn.popen``: no Python runs between fork and exec, so a parent with gRPC's threads
+running (a second stack, a client) cannot bring them down.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
-import functools
 import json
 import os
 import select
@@ -32,6 +33,7 @@ from typing import IO, Self
 import grpc
 from grpc_health.v1 import health_pb2
 
+from duplex import spawn
 from duplex.serving import health_check
 from duplex.tls import is_loopback
 
@@ -60,7 +62,11 @@ _PRCTL = _load_prctl()
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
     """preexec_fn: ask the kernel for ``sig`` when the parent goes, then close the race (use
-    ``functools.partial(die_with_parent, os.getpid())``)."""
+    ``functools.partial(die_with_parent, os.getpid())``).
+
+    Unsafe in a parent with threads in gRPC: a preexec_fn makes CPython fork() (running gRPC's
+    atfork handlers) and run Python in the child before exec, which can kill the child. Use
+    ``duplex.spawn.popen(..., parent_death_signal=sig)`` instead (``LocalStack`` does)."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -132,15 +138,17 @@ class LocalStack:
         return self.session.grpc
 
     def _spawn(self, name: str, args: list[str]) -> Child:
-        proc = subprocess.Popen(
+        # No preexec_fn: this process has gRPC's threads running (a second stack, a client),
+        # and Python between fork and exec can bring the child down (duplex.spawn).
+        proc = spawn.popen(
             [sys.executable, "-m", "duplex", *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            new_session=True,
+            parent_death_signal=signal.SIGTERM,
         )
         child = Child(name, proc)
         self.started_pids.append(proc.pid)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from duplex.spawn import popen
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -49,8 +51,11 @@ def spawn(
 ) -> subprocess.Popen[str]:
     """``python -m duplex ARGS`` in the repository, unbuffered, its stdout a text pipe.
 
-    ``stderr`` None inherits it (pytest shows it on failure)."""
-    return subprocess.Popen(
+    ``stderr`` None inherits it (pytest shows it on failure). Started by ``duplex.spawn.popen``:
+    nothing in Python between fork and exec (tests start children while gRPC's threads run)."""
+    # No parent_death_signal: start_all starts children from pool threads, and the kernel's
+    # signal follows the thread that started the child, not the process.
+    return popen(
         [sys.executable, "-m", "duplex", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
