@@ -23,10 +23,10 @@ comparison; the figure is their median, against the target of 0.5.
 from __future__ import annotations
 
 import argparse
-import functools
 import io
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,7 +38,7 @@ from typing import Any
 from benchmarks._services import stack
 from benchmarks._sys import REPO, NoMeasurement, fail, write_result
 from benchmarks.tiers import compared_row, load_spec, load_window
-from duplex.stack import die_with_parent
+from duplex import spawn
 
 #: The session tier's target against the baseline: at most half its CPU per session-frame.
 TARGET = 0.5
@@ -106,16 +106,24 @@ def base_window(
     ]
     argv += ["--device", device, "--torch-threads", str(torch_threads), "--json", str(out)]
     try:
-        proc = subprocess.run(
+        # Killed with this process (a section's timeout): its stack and load die with it. Set
+        # after exec (duplex.spawn): no Python between fork and exec in a threaded parent.
+        child = spawn.popen(
             argv,
             cwd=tree,
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=BASE_TIMEOUT_S,
-            # Killed with this process (a section's timeout): its stack and load die with it.
-            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            parent_death_signal=signal.SIGTERM,
         )
+        try:
+            stdout, stderr = child.communicate(timeout=BASE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise
+        proc = subprocess.CompletedProcess(argv, child.returncode, stdout, stderr)
     except subprocess.TimeoutExpired as exc:
         raise NoMeasurement(f"the baseline's tiers ran past {BASE_TIMEOUT_S} s") from exc
     if proc.returncode != 0 or not out.exists():

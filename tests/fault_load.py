@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import re
@@ -95,10 +94,10 @@ from typing import IO, Any
 import grpc
 import numpy as np
 
+from duplex import spawn
 from duplex.audio import PCM16K_MONO, decode, encode, write_wav
 from duplex.client import turn_detection
 from duplex.serving import CHANNEL_OPTIONS
-from duplex.stack import die_with_parent
 from duplex.v1 import session_pb2, session_pb2_grpc
 from tests.procs import REPO, pid_alive
 from tests.session_helpers import PARROT, session_args, speech, worker_args
@@ -178,14 +177,16 @@ class Proc:
 def _spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> Proc:
     log = log_dir / f"{name}.log"
     with open(log, "w") as err:
-        popen = subprocess.Popen(
+        # No preexec_fn: Python between fork and exec in this threaded, gRPC-using parent can
+        # crash the child (duplex.spawn).
+        popen = spawn.popen(
             [sys.executable, "-m", "duplex", *args],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGKILL),
+            parent_death_signal=signal.SIGKILL,
         )
     return Proc(name, popen, log)
 
