@@ -34,7 +34,7 @@ Attacks, each in a loop of its own until the time is up (all at once):
 - ``abandoned``: streams that open and are dropped without close (``--abandoned``: 1000 per
   30 s, paced over the run), and streams dropped before they send anything;
 - ``never_reading``: sessions whose client never reads what comes back (a reply upsampled to
-  f32 stereo, or errors echoing 60 KB event ids) and then drops the stream;
+  f32 stereo, or ``updated`` answers carrying 4 KB instructions) and then drops the stream;
 - ``worker``: direct calls to the worker: Describe, Attach with empty, over-long and odd ids,
   epochs 0 and 2^64-1, a takeover at 2^64-1, stale epochs, another owner; Run streams without
   an owner, with an over-long one, with an owner that changes, with junk submissions (unknown
@@ -656,10 +656,11 @@ class Fuzz:
 
     async def never_reading(self) -> None:
         """Sessions that never read what comes back: a reply (upsampled to f32 stereo, 12 times
-        the model's bytes), or errors that echo 60 KB event ids. Their client transport takes no
-        more than its 64 KiB window (a gRPC client otherwise grows the window with its
-        bandwidth-delay estimate and buffers megabytes itself): the rest piles up on the server
-        until the session is cut off (``slow_consumer``) or the client drops the stream."""
+        the model's bytes), or ``updated`` answers that carry 4 KB instructions back. Their
+        client transport takes no more than its 64 KiB window (a gRPC client otherwise grows the
+        window with its bandwidth-delay estimate and buffers megabytes itself): the rest piles up
+        on the server until the session is cut off (``slow_consumer``) or the client drops the
+        stream."""
         echo = bool(self._rng.integers(2))
         options = [("grpc.http2.bdp_probe", 0)]
         async with grpc.aio.insecure_channel(self.session.grpc, options=options) as ch:
@@ -669,8 +670,11 @@ class Fuzz:
                 async with asyncio.timeout(8):
                     await call.write(open_ev(PCM16K_MONO, out=out, extra={"silence_ms": 2000}))
                     if echo:
-                        for _ in range(40):
-                            await call.write(ev("x" * 60_000))
+                        # Each update is answered with ``updated``, its 4 KB instructions in it
+                        # (an error echoes at most 256 characters of an event id): 600 KB.
+                        big = session_pb2.SessionConfig(instructions="x" * 4000)
+                        for _ in range(150):
+                            await call.write(ev(update=session_pb2.SessionUpdate(config=big)))
                     else:
                         # A long utterance (its pauses do not end the turn), then silence to
                         # step its reply out.

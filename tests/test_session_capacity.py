@@ -21,6 +21,12 @@ from tests.test_session_runner import make_runner
 from tests.worker_helpers import wait_until
 
 JUNK = session_pb2.ClientEvent(event_id="junk", commit=session_pb2.InputAudioCommit())
+#: An ``update`` answered with ``updated{config}``, these 4 KB instructions in it: what a client
+#: that does not read lets pile up, 4 KB an event (an error echoes no more than 256 characters of
+#: an ``event_id``, so errors no longer do it).
+BIG_UPDATE = session_pb2.ClientEvent(
+    update=session_pb2.SessionUpdate(config=session_pb2.SessionConfig(instructions="x" * 4000))
+)
 
 
 # ---- a dropped stream ----------------------------------------------------------------------------
@@ -152,16 +158,17 @@ async def test_a_client_that_never_reads_is_cut_off_end_to_end_without_a_traceba
 
     The client's transport must stop taking data too (a gRPC client grows its receive window
     with the bandwidth-delay estimate, absorbing megabytes nobody reads): BDP probing is off,
-    so the window stays at 64 KiB. Refused events echo their ``event_id``: 6 KB ids fill the
-    transport (the servicer then waits in its write) and then the session's 64 KiB outbound
-    queue. The write that waited failed inside gRPC, which logged it with a traceback too."""
+    so the window stays at 64 KiB. Each ``update`` is answered with ``updated``, its 4 KB
+    instructions in it: they fill the transport (the servicer then waits in its write) and then
+    the session's 64 KiB outbound queue. The write that waited failed inside gRPC, which logged
+    it with a traceback too."""
     options = [("grpc.http2.bdp_probe", 0)]
     async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
         call = session_pb2_grpc.DuplexSessionStub(ch).Converse(timeout=20)
         await call.write(open_event())
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            for _ in range(60):
-                await asyncio.wait_for(call.write(session_pb2.ClientEvent(event_id="x" * 6_000)), 5)
+            for _ in range(90):  # 360 KB of answers: more than the window and the queue
+                await asyncio.wait_for(call.write(BIG_UPDATE), 5)
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             async with asyncio.timeout(15):
                 async for _ in call:  # what was delivered before the cut, then the status
@@ -189,16 +196,19 @@ async def test_a_stream_dropped_while_the_server_waits_to_write_leaves_no_traceb
             await call.write(open_event())
             await wait_until(lambda: len(stack.session.registry) == 1)
             (runner_,) = list(stack.session.registry)
-            # 60 KB error events: past the transport's window (100 KB), or past the queue too.
+            # 4 KB ``updated`` answers: 160 KB, past the transport's window (64 KiB) and not the
+            # queue's 256 KiB; or 480 KB, past the queue too.
+            sent = 120 if cut_off else 40
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                for _ in range(8 if cut_off else 2):
-                    await asyncio.wait_for(call.write(session_pb2.ClientEvent(event_id="x" * 60_000)), 5)
+                for _ in range(sent):
+                    await asyncio.wait_for(call.write(BIG_UPDATE), 5)
             if cut_off:
                 await wait_until(lambda: runner_.closed)
                 assert runner_.close_reason == "slow_consumer"
             else:
-                await wait_until(lambda: len(runner_.outbound) == 0)  # the servicer took the last one
-                await asyncio.sleep(0.1)
+                out = runner_.outbound
+                await wait_until(lambda: out.numbered + len(out) == 1 + sent)  # opened, every answer
+                assert len(out) > 0 and not runner_.closed  # the servicer waits in a write
             call.cancel()
             await wait_until(lambda: runner_.closed or runner_._detached_at is not None)
             await asyncio.sleep(0.2)

@@ -287,11 +287,21 @@ async def test_a_dropped_stream_leaves_its_sessions_to_resume(stack: InProcessSt
     assert len(stack.session.manager) == 0
 
 
+#: An ``update`` answered with ``updated{config}``, these 4 KB instructions in it.
+BIG_UPDATE = session_pb2.ClientEvent(
+    update=session_pb2.SessionUpdate(config=session_pb2.SessionConfig(instructions="x" * 4000))
+)
+#: An event for a lane that is not open: answered ``session_not_open``, its id echoed (at most
+#: 256 characters of it are).
+GHOST = session_pb2.ClientEvent(event_id="x" * 256)
+
+
 async def _flood_unread(stack: InProcessStack, opened: list[str], junk_lanes: list[str]) -> None:
-    """Open ``opened`` lanes on one stream, then send 7 MB of events with 60 KB event ids (each
-    answered with its id echoed) to ``junk_lanes``, never reading; return once the stream is cut
-    off (counted once) and every session it held is gone (closed, or released after the
-    detached grace)."""
+    """Open ``opened`` lanes on one stream, then send ``junk_lanes`` events, never reading: an
+    open lane ``update``s, each answered with a 4 KB ``updated`` (5.8 MB: more than a session's
+    4 MiB queue), a lane not open events each answered ``session_not_open`` (more than the
+    stream's 1 MiB of answers); return once the stream is cut off (counted once) and every
+    session it held is gone (closed, or released after the detached grace)."""
     cut_before = sample("duplex_session_errors_total", {"code": "slow_consumer"})
     options = [("grpc.http2.bdp_probe", 0)]  # else the client grows its window and buffers it all
     async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
@@ -301,12 +311,11 @@ async def _flood_unread(stack: InProcessStack, opened: list[str], junk_lanes: li
             first.events.add(lane=lane, event=open_event())
         await call.write(first)
         junk = session_pb2.ClientBatch()
-        for i in range(5):  # 300 KB: a message stays under the service's receive limit
-            junk.events.add(
-                lane=junk_lanes[i % len(junk_lanes)], event=session_pb2.ClientEvent(event_id="x" * 60_000)
-            )
+        while junk.ByteSize() < 240_000:  # a message stays under the service's receive limit
+            lane = junk_lanes[len(junk.events) % len(junk_lanes)]
+            junk.events.add(lane=lane, event=BIG_UPDATE if lane in opened else GHOST)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
-            for _ in range(24):  # 7 MB, more than a session's 4 MiB queue or the stream's answers
+            for _ in range(24):  # 5.8 MB: more than a session's queue or the stream's answers
                 await asyncio.wait_for(call.write(junk), 5)  # (the cut may stop the reading first)
         async with asyncio.timeout(10):
             while (  # noqa: ASYNC110  (two conditions kept by other components)
@@ -320,11 +329,33 @@ async def _flood_unread(stack: InProcessStack, opened: list[str], junk_lanes: li
 
 @pytest.mark.stack(runner={"detached_grace_s": 0.5})
 async def test_a_stream_whose_client_stops_reading_is_cut_off(stack: InProcessStack) -> None:
-    """Errors that echo 60 KB event ids in an open lane, never read: the transport takes its
-    64 KiB window, the rest piles up in the session's queue until it overflows. The stream is cut
+    """4 KB ``updated`` answers in an open lane, never read: the transport takes its 64 KiB
+    window, the rest piles up in the session's queue until it overflows. The stream is cut
     off, though its last message cannot be sent: the noisy session is closed, the quiet one let
     go (it is released after the detached grace)."""
     await _flood_unread(stack, ["noisy", "quiet"], ["noisy"])
+
+
+async def test_an_error_on_a_lane_echoes_at_most_256_characters_of_an_event_id(
+    stack: InProcessStack,
+) -> None:
+    """Issue 25: the ``event_id`` an error echoes is bounded on lanes too: an event for a lane
+    that is not open, one for a name that cannot be a lane, one in an open lane's session."""
+    long_id = "".join(chr(ord("a") + i % 26) for i in range(100_000))
+    junk = session_pb2.ClientEvent(event_id=long_id)
+    async with grpc.aio.insecure_channel(stack.target) as ch:
+        call = LaneCall(ch).start()
+        call.send(("a", open_event()))
+        await call.wait_kind("a", "opened")
+        call.send(("ghost", junk), ("bad\n", junk), ("a", junk))
+        for lane in ("ghost", "", "a"):
+            await call.wait_kind(lane, "error")
+        call.half_close()
+        await call.wait_done()
+    errors = [call.of(lane, "error")[0].error for lane in ("ghost", "", "a")]
+    assert [e.code for e in errors] == ["session_not_open", "invalid_event", "invalid_event"]
+    assert [len(e.event_id) for e in errors] == [256, 256, 256]  # (not the 100 KB in a failure)
+    assert [e.event_id for e in errors] == [long_id[:256]] * 3
 
 
 async def test_lanes_are_authenticated_and_belong_to_the_caller(
@@ -419,7 +450,9 @@ def test_a_server_message_is_cut_near_max_message_bytes_keeping_order() -> None:
         *audio[5:],
         end,
     ]
-    batches = list(lanes._batches([(lane, e, e.ByteSize()) for lane, e in pairs]))
+    cut = list(lanes._batches([(lane, e, e.ByteSize()) for lane, e in pairs]))
+    assert [n for _, n in cut] == [3, 5, 6, 9, 12]  # how many items the messages so far hold
+    batches = [b for b, _ in cut]
     assert all(b.ByteSize() <= lanes.MAX_MESSAGE_BYTES for b in batches if len(b.outputs) > 1)
     assert [len(b.outputs) for b in batches] == [3, 2, 1, 3, 3]  # the big one alone
     got = [(o.lane, o.event.event_id if o.HasField("event") else "ended") for b in batches for o in b.outputs]
@@ -430,6 +463,7 @@ def test_a_server_message_is_cut_near_max_message_bytes_keeping_order() -> None:
 
 @pytest.mark.stack(runner={"detached_grace_s": 0.5})
 async def test_answers_a_client_does_not_read_are_bounded(stack: InProcessStack) -> None:
-    """Events for lanes never opened, each answered with its 60 KB event id echoed, never read:
-    the answers are bounded like a session's queue, and the stream is cut off."""
+    """Events for lanes never opened, each answered ``session_not_open`` (its 256-character id
+    echoed), never read: the answers are bounded like a session's queue, and the stream is cut
+    off."""
     await _flood_unread(stack, ["open"], [f"ghost{i}" for i in range(5)])

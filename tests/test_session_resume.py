@@ -27,6 +27,7 @@ from session_service.config import ServiceConfig
 from session_service.plugin import Capabilities, SessionSettings, TurnDetection
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.session.manager import SessionManager
+from session_service.session.outbound import Outbound
 from session_service.session.runner import SessionRunner, WorkerHandle
 from session_service.trust import resume_tokens as resume
 from session_service.trust.auth import ANONYMOUS
@@ -696,3 +697,96 @@ async def test_a_closed_session_stays_closed_on_the_replica_that_closed_it() -> 
     a.draining = False
     assert (await a.resume(resume_msg(d))).session_id == d.session_id
     await close_all(a)
+
+
+# ---- event ids: given as events go out (issue 25) -------------------------------------------
+
+
+def _ev(kind: str) -> session_pb2.ServerEvent:
+    return session_pb2.ServerEvent(**{kind: {}})
+
+
+def _audio() -> session_pb2.ServerEvent:
+    return session_pb2.ServerEvent(audio_delta=session_pb2.AudioDelta(pcm=b"\x00" * 64))
+
+
+def _ids(evs: list[session_pb2.ServerEvent | None]) -> list[tuple[str, str]]:
+    return [(e.event_id, e.WhichOneof("event") or "") for e in evs if e is not None]
+
+
+async def test_a_resumed_stream_gets_opened_first_and_ids_in_the_order_it_gets_events() -> None:
+    """Events that waited for a resume were numbered as they were queued, and ``opened`` (put
+    ahead of them) after them: ``se_4``, then ``se_2``. Output of a left epoch is dropped
+    without a number, and the farewell of a stream that ended before taking it takes none."""
+    epoch = 1
+    out = Outbound(lambda: epoch)
+    a = out.attach()
+    out.put(_ev("committed"))
+    assert _ids([await out.get(a)]) == [("se_1", "committed")]
+    out.detached(a)  # the stream drops; the session goes on
+    out.put(_audio(), epoch=1)
+    out.put(_ev("committed"))
+    epoch = 2  # the audio's epoch is left: it is dropped on the way out
+    out.put(_audio(), epoch=2)
+    out.put_front(_ev("opened"))  # the resume
+    b = out.attach(farewell=_ev("closed"))
+    got = [await out.get(b) for _ in range(3)]
+    assert _ids(got) == [("se_2", "opened"), ("se_3", "committed"), ("se_4", "audio_delta")]
+    assert out.next_ids_at_most() == 5
+
+
+async def test_an_event_the_dropped_stream_could_not_write_goes_to_the_resumed_one() -> None:
+    """The call ended while the stream wrote ``se_2`` (and a resume came meanwhile): it goes
+    back, behind the resumed stream's ``opened``, and is numbered again as it goes out."""
+    out = Outbound(lambda: 1)
+    a = out.attach()
+    for kind in ("committed", "updated", "cleared"):
+        out.put(_ev(kind))
+    await out.get(a)
+    assert _ids([await out.get(a)]) == [("se_2", "updated")]  # its write fails
+    out.put_front(_ev("opened"))  # the resume, while the write waited
+    out.unsent(a)
+    out.detached(a)
+    b = out.attach()
+    got = [await out.get(b) for _ in range(3)]
+    assert _ids(got) == [("se_2", "opened"), ("se_3", "updated"), ("se_4", "cleared")]
+    # Written is written: nothing goes back once the stream said so (or took again since), nor
+    # once it is no longer the writer (displaced and cut off, another stream may have taken).
+    out.wrote(b)
+    out.unsent(b)
+    assert len(out) == 0 and out.numbered == 4
+    out.put(_ev("committed"))
+    assert _ids([await out.get(b)]) == [("se_5", "committed")]
+    out.detached(b)
+    out.unsent(b)
+    assert len(out) == 0 and out.numbered == 5
+
+
+async def test_a_taking_stream_puts_back_only_what_it_did_not_write() -> None:
+    """``ConverseMany`` takes several events and writes them in messages: those of the message
+    whose write failed, and after it, go back; those written before it stay written."""
+    out = Outbound(lambda: 1)
+    a = out.attach()
+    for kind in ("committed", "updated", "cleared"):
+        out.put(_ev(kind))
+    events, _ = out.take(a, 10)
+    assert [e.event_id for e, _ in events] == ["se_1", "se_2", "se_3"]
+    assert [size for _, size in events] == [e.ByteSize() for e, _ in events]
+    out.unsent(a, 2)  # the message with the last two was not written
+    out.detached(a)
+    b = out.attach()
+    events, _ = out.take(b, 10)
+    assert _ids([e for e, _ in events]) == [("se_2", "updated"), ("se_3", "cleared")]
+
+
+async def test_a_displaced_stream_s_farewell_takes_the_next_id_when_it_goes_out() -> None:
+    out = Outbound(lambda: 1)
+    a = out.attach()
+    out.put(_ev("committed"))
+    await out.get(a)
+    out.put_front(_ev("opened"))
+    b = out.attach(farewell=_ev("closed"))
+    assert _ids([await out.get(b)]) == [("se_2", "opened")]
+    assert _ids([await out.get(a)]) == [("se_3", "closed")]
+    out.put(_ev("cleared"))
+    assert _ids([await out.get(b)]) == [("se_4", "cleared")]

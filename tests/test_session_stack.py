@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, StreamConverter, decode, encode
 from duplex.cli import main
 from duplex.v1 import common_pb2, session_pb2, session_pb2_grpc
+from session_service.session import outbound
 from session_service.workers.placement import rendezvous_pick
 from tests.procs import start_service
 from tests.session_helpers import (
@@ -39,6 +40,7 @@ from tests.session_helpers import (
     utterance_pcm,
     worker_server,
 )
+from tests.worker_helpers import wait_until
 from worker_service.models.parrot import parrot_reply
 
 pytestmark = pytest.mark.stack(n_workers=2, runner={"idle_timeout_s": 20})
@@ -408,6 +410,153 @@ async def test_resume_rebinds_to_the_live_session(stack: InProcessStack) -> None
         await second.wait_for(lambda e: e.HasField("closed"))
 
 
+def _id(ev: session_pb2.ServerEvent) -> int:
+    prefix, _, n = ev.event_id.partition("_")
+    assert prefix == "se", ev.event_id
+    return int(n)
+
+
+async def test_event_ids_go_on_across_a_resume_in_the_order_they_arrive(
+    stack: InProcessStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25: after a resume, ids jumped (``se_283``, then ``opened`` ``se_304``, then
+    ``se_284``...): events that waited for the resumed stream were numbered as they were queued,
+    and ``opened`` was put ahead of them. Ids are given as events go out.
+
+    A client stops reading mid-reply: its window (64 KiB) fills, the server waits in a write and
+    the reply piles up in the session's queue. It resumes on a new call, and the old call reads
+    on to its ``closed{resumed_elsewhere}``. Each stream's ids increase, the new one starts with
+    ``opened``, every id is used once and none is skipped, and the reply arrives whole."""
+    # The old stream reads again only once the resume is in: it must not be cut off meanwhile.
+    monkeypatch.setattr(outbound, "HANDOVER_TIMEOUT_S", 60.0)
+    options = [("grpc.http2.bdp_probe", 0)]  # the old stream's window stays at 64 KiB
+    out_fmt = PcmFormat(S16LE, 48000, 2)  # 192 KB of reply a second: it fills the window soon
+    first = open_event()
+    first.open.config.output_format.CopyFrom(out_fmt.to_proto())
+    reading = asyncio.Event()
+    reading.set()
+    old: list[session_pb2.ServerEvent] = []
+    async with (
+        grpc.aio.insecure_channel(stack.target, options=options) as ch,
+        grpc.aio.insecure_channel(stack.target) as ch2,
+    ):
+        call = session_pb2_grpc.DuplexSessionStub(ch).Converse(timeout=60)
+
+        async def read_old() -> None:
+            async for ev in call:  # type: ignore[attr-defined]
+                old.append(ev)
+                await reading.wait()
+
+        await call.write(first)
+        reader = asyncio.create_task(read_old())
+        await wait_until(lambda: bool(old))
+        opened = old[0].opened
+        runner = stack.session.registry.get(opened.session_id)
+        assert runner is not None
+        pcm = utterance_pcm(speech(0), PCM16K_MONO)
+        step = PCM16K_MONO.bytes_for_ms(20)
+        for seq, at in enumerate(range(0, len(pcm), step), 1):
+            await call.write(_append(seq, pcm[at : at + step]))
+        await wait_until(lambda: any(e.HasField("audio_delta") for e in old), within=30)
+        reading.clear()  # the client stops reading mid-reply
+        await wait_until(lambda: len(runner.outbound) >= 5, within=30)  # the reply waits in the queue
+        attached = runner.outbound.current_attachment
+        resume = session_pb2.SessionResume(
+            session_id=opened.session_id, resume_token=opened.resume_token, last_event_id=old[-1].event_id
+        )
+        new = Conversation(ch2).start(session_pb2.ClientEvent(resume=resume))
+        await wait_until(lambda: runner.outbound.current_attachment != attached)  # the resume is in
+        reading.set()  # the old stream reads what it was sent, then its farewell
+        await asyncio.wait_for(reader, 30)
+        done = (await new.wait_kind("response_done", within=30)).response_done
+        new.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        await new.wait_done()
+
+    before, after = [_id(e) for e in old], [_id(e) for e in new.events]
+    assert old[-1].closed.reason == "resumed_elsewhere"
+    assert new.kinds()[0] == "opened" and new.kinds()[-1] == "closed"
+    assert before == sorted(before) and after == sorted(after), (before[-5:], after[:5])
+    assert sorted(before + after) == list(range(1, len(before) + len(after) + 1))
+    # The reply is whole: its audio on both streams is what response_done counts.
+    pcm_out = b"".join(
+        e.audio_delta.pcm for e in [*old, *new.events] if e.audio_delta.response_id == done.response_id
+    )
+    assert len(pcm_out) // out_fmt.frame_bytes * 1000 // out_fmt.sample_rate_hz == done.audio_ms > 0
+
+
+async def test_the_event_a_dropped_stream_was_writing_goes_to_the_stream_that_resumes(
+    stack: InProcessStack,
+) -> None:
+    """A client stops reading mid-reply (the server waits in a write: its window is full) and
+    drops the call. The event that write held was never sent: it goes back to the session's
+    queue, with its id given back, and the resumed stream gets it right after ``opened``."""
+    options = [("grpc.http2.bdp_probe", 0)]  # the window stays at 64 KiB
+    out_fmt = PcmFormat(S16LE, 48000, 2)  # 192 KB of reply a second: it fills the window soon
+    first = open_event()
+    first.open.config.output_format.CopyFrom(out_fmt.to_proto())
+    reading = asyncio.Event()
+    reading.set()
+    old: list[session_pb2.ServerEvent] = []
+    async with grpc.aio.insecure_channel(stack.target, options=options) as ch:
+        call = session_pb2_grpc.DuplexSessionStub(ch).Converse(timeout=60)
+
+        async def read_old() -> None:
+            async for ev in call:  # type: ignore[attr-defined]
+                old.append(ev)
+                await reading.wait()
+
+        await call.write(first)
+        reader = asyncio.create_task(read_old())
+        await wait_until(lambda: bool(old))
+        opened = old[0].opened
+        runner = stack.session.registry.get(opened.session_id)
+        assert runner is not None
+        pcm = utterance_pcm(speech(0), PCM16K_MONO)
+        step = PCM16K_MONO.bytes_for_ms(20)
+        for seq, at in enumerate(range(0, len(pcm), step), 1):
+            await call.write(_append(seq, pcm[at : at + step]))
+        await wait_until(lambda: any(e.HasField("audio_delta") for e in old), within=30)
+        reading.clear()  # the client stops reading mid-reply
+        out = runner.outbound
+        await wait_until(lambda: len(out) >= 5, within=30)  # the server waits in a write
+        held = out.numbered  # the id of the event that write holds
+        call.cancel()
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await wait_until(lambda: runner._detached_at is not None)
+        assert out.numbered == held - 1  # given back, with its event
+    async with grpc.aio.insecure_channel(stack.target) as ch2:
+        resume = session_pb2.SessionResume(session_id=opened.session_id, resume_token=opened.resume_token)
+        new = Conversation(ch2).start(session_pb2.ClientEvent(resume=resume))
+        await new.wait_kind("response_done", within=30)
+        new.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        await new.wait_done()
+    ids = [_id(e) for e in new.events]
+    assert new.kinds()[0] == "opened" and ids == list(range(held, held + len(ids)))
+
+
+async def test_an_error_echoes_at_most_256_characters_of_an_event_id(stack: InProcessStack) -> None:
+    """Issue 25: an error echoed a 100 KB ``event_id`` in full. It echoes its first 256
+    characters, before the open (``session_not_open``) and in a session (``invalid_event``); a
+    shorter one is echoed as it is."""
+    long_id = "".join(chr(ord("a") + i % 26) for i in range(100_000))
+    async with grpc.aio.insecure_channel(stack.target) as ch:
+        conv = Conversation(ch).start(session_pb2.ClientEvent(event_id=long_id))  # not an open
+        conv.send(open_event())
+        await conv.wait_kind("opened")
+        conv.send(session_pb2.ClientEvent(event_id=long_id))  # nothing set
+        conv.send(session_pb2.ClientEvent(event_id="e" * 256))
+        await conv.wait_until(lambda: len(conv.of("error")) == 3)
+        conv.send(session_pb2.ClientEvent(close=session_pb2.SessionClose()))
+        await conv.wait_done()
+    errors = [e.error for e in conv.of("error")]
+    assert [e.code for e in errors] == ["session_not_open", "invalid_event", "invalid_event"]
+    assert [len(e.event_id) for e in errors] == [256, 256, 256]  # (not the 100 KB in a failure)
+    assert [e.event_id for e in errors] == [long_id[:256], long_id[:256], "e" * 256]
+    assert all(e.ByteSize() < 2048 for e in conv.of("error"))
+
+
 @pytest.mark.stack(service={"metrics_port": 0})  # /metrics on a free port
 async def test_health_reflection_and_metrics(stack: InProcessStack) -> None:
     async with grpc.aio.insecure_channel(stack.target) as ch:
@@ -530,9 +679,13 @@ async def test_sigterm_drains_a_session_process() -> None:
 
 
 async def test_a_client_that_stops_reading_is_cut_off_and_its_call_ends(stack: InProcessStack) -> None:
-    """Errors that echo 200 KB event ids, never read: each answer is larger than the client's
-    64 KiB window, so the handler waits in a write. The session's queue overflows, the session is
-    closed, and the call ends now (``duplex_session_streams``), not when the client goes away."""
+    """``update``s, each answered with a 4 KB ``updated`` (the config, its instructions in it),
+    never read: they fill the client's 64 KiB window, so the handler waits in a write. The
+    session's queue overflows, the session is closed, and the call ends now
+    (``duplex_session_streams``), not when the client goes away."""
+    update = session_pb2.ClientEvent(
+        update=session_pb2.SessionUpdate(config=session_pb2.SessionConfig(instructions="x" * 4000))
+    )
     cut_before = sample("duplex_session_errors_total", {"code": "slow_consumer"})
     streams_before = sample("duplex_session_streams")
     options = [("grpc.http2.bdp_probe", 0)]  # else the client grows its window and buffers it all
@@ -542,8 +695,8 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_call_ends(stack: I
         assert (await call.read()).HasField("opened")  # type: ignore[attr-defined]
         assert sample("duplex_session_streams") == streams_before + 1
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
-            for _ in range(36):  # 7 MB of echoes, more than the session's 4 MiB queue
-                await asyncio.wait_for(call.write(session_pb2.ClientEvent(event_id="x" * 200_000)), 5)
+            for _ in range(1400):  # 5.6 MB of answers, more than the session's 4 MiB queue
+                await asyncio.wait_for(call.write(update), 5)
         async with asyncio.timeout(10):
             while sample("duplex_session_streams") != streams_before or len(stack.session.manager):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError, Message
 from duplex.errors import CapacityError, DuplexError, ErrorCode, abort
 from duplex.v1 import session_pb2
 from session_service.metrics import ERRORS_BY_CODE
+from session_service.session.emitter import echoed_event_id
 from session_service.session.manager import SessionManager
 from session_service.session.runner import SessionRunner
 from session_service.trust.auth import ANONYMOUS
@@ -156,11 +157,12 @@ async def open_or_resume(
 def refusal(code: ErrorCode, message: str, event_id: str, refused: int) -> session_pb2.ServerEvent:
     """The ``error`` event (counted by code) that refuses a client event no session took: sent
     before its session's open or resume, or not usable at all. ``refused``: how many the call
-    refused so far, this one included (the events are numbered ``pre_N``)."""
+    refused so far, this one included (the events are numbered ``pre_N``). The refused
+    event's ``event_id`` is echoed bounded, as in every ``error`` (``echoed_event_id``)."""
     ERRORS_BY_CODE[code.value].inc()
     return session_pb2.ServerEvent(
         event_id=f"pre_{refused}",
-        error=session_pb2.Error(code=code.value, message=message, event_id=event_id),
+        error=session_pb2.Error(code=code.value, message=message, event_id=echoed_event_id(event_id)),
     )
 
 

@@ -94,14 +94,15 @@ def ended(err: DuplexError | None) -> session_pb2.LaneEnded:
 _Output = tuple[str, session_pb2.ServerEvent | session_pb2.LaneEnded, int]
 
 
-def _batches(items: list[_Output]) -> Iterator[session_pb2.ServerBatch]:
+def _batches(items: list[_Output]) -> Iterator[tuple[session_pb2.ServerBatch, int]]:
     """``items`` as messages of about ``MAX_MESSAGE_BYTES`` at most (one item larger than that
-    goes alone), so a client's receive limit (4 MiB by gRPC's default) is never reached."""
+    goes alone), so a client's receive limit (4 MiB by gRPC's default) is never reached; each
+    with how many of ``items`` are in it and the messages before it."""
     batch, size = session_pb2.ServerBatch(), 0
-    for lane, item, item_size in items:
+    for i, (lane, item, item_size) in enumerate(items):
         n = item_size + len(lane) + 16
         if size and size + n > MAX_MESSAGE_BYTES:
-            yield batch
+            yield batch, i
             batch, size = session_pb2.ServerBatch(), 0
         out = batch.outputs.add(lane=lane)
         if isinstance(item, session_pb2.LaneEnded):
@@ -110,7 +111,7 @@ def _batches(items: list[_Output]) -> Iterator[session_pb2.ServerBatch]:
             out.event.CopyFrom(item)
         size += n
     if size:
-        yield batch
+        yield batch, len(items)
 
 
 @dataclass(eq=False, slots=True)
@@ -173,10 +174,18 @@ class LaneStream:
                 continue
             items, self._out = self._out, []
             self._answer_bytes = 0
+            answers = len(items)
             took, over = self._take(items)
-            for batch in _batches(items):
-                if not await self._cut.write(batch):
-                    return  # the call is over (``_let_go`` lets every lane go)
+            written = 0
+            try:
+                for batch, written_after in _batches(items):
+                    if not await self._cut.write(batch):
+                        return  # the call is over (``_let_go`` lets every lane go)
+                    written = written_after
+            finally:
+                # What the call ended before writing goes back to its sessions' queues, for
+                # the streams that resume them.
+                self._unsent(took, items[max(written, answers) :])
             for lane in took:
                 assert lane.runner is not None
                 lane.runner.outbound.wrote(lane.attachment)
@@ -201,6 +210,15 @@ class LaneStream:
             elif len(events) == MAX_DRAIN:
                 self._ready[lane] = None  # more may wait: the next message
         return took, over
+
+    def _unsent(self, took: list[_Lane], unwritten: list[_Output]) -> None:
+        """``unwritten``, events the lanes in ``took`` took last, go back to their queues."""
+        counts: dict[str, int] = {}
+        for name, _, _ in unwritten:
+            counts[name] = counts.get(name, 0) + 1
+        for lane in took:
+            if lane.name in counts and lane.runner is not None:
+                lane.runner.outbound.unsent(lane.attachment, counts[lane.name])
 
     def _lane_over(self, lane: _Lane) -> None:
         """The lane's session ended (or another stream resumed it, and its farewell is out)."""

@@ -131,15 +131,20 @@ class DuplexSessionServicer(session_pb2_grpc.DuplexSessionServicer):
             on_slow_consumer=on_slow_consumer, cut_off=on_cut_off, acks_on_output=acks_on_output
         )
         reader = asyncio.create_task(self._pump(it, runner, attachment, context))
+        writing = False
         try:
             while True:
                 out = await runner.outbound.get(attachment)
                 if out is None:
                     break
+                writing = True
                 if not await cut.write(out):
                     break  # the call ended while the write waited
+                writing = False
             await cut.wait()  # when cut: the call ends with the cut's status, not OK
         finally:
+            if writing:  # not written (the call ended first): the stream that resumes gets it
+                runner.outbound.unsent(attachment)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader

@@ -1,9 +1,10 @@
-"""The one place a session's server events are numbered and queued for its client.
+"""The one place a session's server events are built and queued for its client.
 
 Every event goes through ``Emitter`` onto the session's single outbound queue
-(``session_service.session.outbound``), so event ids are numbered in one place and nothing can
-overtake ``audio_cancelled``. Response output (audio and transcript deltas) is queued bound to
-its epoch, so the queue drops it once the epoch moves on.
+(``session_service.session.outbound``), so nothing can overtake ``audio_cancelled``; the queue
+numbers them (``se_N``) as a stream takes them, in the order the client receives them.
+Response output (audio and transcript deltas) is queued bound to its epoch, so the queue drops
+it once the epoch moves on.
 """
 
 from __future__ import annotations
@@ -18,9 +19,20 @@ from session_service.metrics import CARRIED_ACKS, ERRORS_BY_CODE, LATENCY_ACK
 from session_service.session.ack_window import Ack
 from session_service.session.outbound import Outbound
 
+#: The most characters of a client's ``event_id`` an ``error`` echoes (its first ones): what a
+#: client sends must not make the server send back as much (the rest of an error is bounded too).
+MAX_ECHOED_EVENT_ID = 256
+
+
+def echoed_event_id(event_id: str) -> str:
+    """A client event's ``event_id`` as an ``error`` answering it carries it: at most its first
+    ``MAX_ECHOED_EVENT_ID`` characters."""
+    return event_id[:MAX_ECHOED_EVENT_ID]
+
 
 class Emitter:
-    """Numbers server events (``se_1``, ``se_2``, ...) and queues them on ``outbound``.
+    """Builds server events and queues them on ``outbound`` (which numbers them: ``se_1``,
+    ``se_2``, ... as they go out).
 
     A client that stopped reading overflows its queue (``Outbound.overflowed``, a state: nothing
     raises); the runner checks it once per item and closes the session then."""
@@ -35,13 +47,10 @@ class Emitter:
         """(seq, epoch) of the ack waiting to ride on the next event (``acks_on_output``)."""
         self._last_carried: tuple[int, int] | None = None
         """The latest ack, when it went out carried on another event (None: it went alone)."""
-        self.count = 0
-        """Events numbered so far (a session taken over continues from its token's count)."""
 
     def event(self, which: str, msg: Any) -> session_pb2.ServerEvent:
-        """A numbered event with ``which`` set to ``msg``, not queued."""
-        self.count += 1
-        return session_pb2.ServerEvent(event_id=f"se_{self.count}", **{which: msg})
+        """An event with ``which`` set to ``msg``, not queued (numbered as it goes out)."""
+        return session_pb2.ServerEvent(**{which: msg})
 
     def emit(self, which: str, msg: Any) -> None:
         """Queue an event that is always delivered (lifecycle, acks, errors); a riding ack goes
@@ -54,8 +63,6 @@ class Emitter:
     def emit_output(self, event: session_pb2.ServerEvent, epoch: int) -> None:
         """Queue response output built by the data plane; it dies with ``epoch`` (and so does
         a riding ack of that epoch it carries: an ack of a left epoch means nothing)."""
-        self.count += 1
-        event.event_id = f"se_{self.count}"
         if self._riding is not None and self._riding[1] == epoch:
             self._carry(event)
         self.outbound.put(event, epoch=epoch)
@@ -89,18 +96,23 @@ class Emitter:
         self._last_carried = None
         if not (self._coalesce_acks and self.outbound.merge_ack(seq, epoch)):
             # Built in place: no intermediate message to copy (this runs once per client chunk).
-            self.count += 1
-            ev = session_pb2.ServerEvent(event_id=f"se_{self.count}")
+            ev = session_pb2.ServerEvent()
             ev.input_ack.seq = seq
             ev.input_ack.epoch = epoch
             self.outbound.put(ev)
 
     def error(self, err: DuplexError, event_id: str = "") -> None:
-        """An ``error`` event (counted by code); ``event_id`` names the client event it answers."""
+        """An ``error`` event (counted by code); ``event_id`` names the client event it answers
+        (bounded: ``echoed_event_id``)."""
         ERRORS_BY_CODE[err.code].inc()
         self.emit(
             "error",
-            session_pb2.Error(code=err.code, message=err.message, event_id=event_id, retryable=err.retryable),
+            session_pb2.Error(
+                code=err.code,
+                message=err.message,
+                event_id=echoed_event_id(event_id),
+                retryable=err.retryable,
+            ),
         )
 
     def acks(self, acks: Iterable[Ack], *, ride: bool = False) -> None:

@@ -10,6 +10,14 @@ done, so nothing the old stream sends can follow what the new one sends (an ``au
 on the new stream is never followed by older audio on the old one). A displaced stream that does
 not finish its write within ``HANDOVER_TIMEOUT_S`` (its client stopped reading) is cut off.
 
+Events are numbered here (``se_1``, ``se_2``, ...), as a stream takes them, not when they are
+queued: ids follow the order in which the client receives them. ``opened``, put at the head of
+the queue for a resumed stream, therefore comes before, and is numbered before, the events that
+waited for that stream; output dropped on the way out (its epoch was left) takes no number; a
+displaced stream's farewell takes one only when that stream takes it. So a client that resumes
+gets ids that go on exactly after the last it received, unless events were taken by the stream
+it left and lost with it (written into a connection that then failed).
+
 A stream takes events in one of two ways. A ``Converse`` stream has a task per session waiting
 in ``get``. A ``ConverseMany`` stream, which holds many sessions, has one writer for all of them:
 each session's queue calls the stream back (``listen``) when it may have something, and the writer
@@ -34,6 +42,7 @@ class _Item:
     event: session_pb2.ServerEvent
     epoch: int | None  # set for epoch-bound output (audio/text deltas); None = always delivered
     size: int
+    front: bool = False  # queued ahead of everything (``put_front``)
 
 
 #: How long a new stream waits for the stream it displaced to finish its last write.
@@ -67,9 +76,23 @@ class Outbound:
         self._listeners: dict[int, Callable[[], None]] = {}
         self._handover_timer: tuple[int, asyncio.TimerHandle] | None = None
         """(the displaced writer a ``take`` waits for, the timer that cuts it off)."""
+        self._taken: list[_Item] = []
+        """What the writer (``_writer``) took and has not said it wrote (``unsent`` puts it back)."""
+        self.numbered = 0
+        """Events numbered so far, ``se_1`` .. ``se_<numbered>`` (a session taken over from
+        another replica starts from the count its token and the client's ``last_event_id`` say)."""
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def _number(self, event: session_pb2.ServerEvent) -> None:
+        self.numbered += 1
+        event.event_id = f"se_{self.numbered}"
+
+    def next_ids_at_most(self) -> int:
+        """An upper bound of the number the next event queued will get: what was numbered, what
+        waits, and it (what waits may be dropped on the way out: it is never below)."""
+        return self.numbered + len(self._items) + 1
 
     @property
     def closed(self) -> bool:
@@ -109,7 +132,7 @@ class Outbound:
         if not self._closed:
             size = event.ByteSize()
             self._bytes += size
-            self._items.appendleft(_Item(event, None, size))
+            self._items.appendleft(_Item(event, None, size, front=True))
             self._signal()
 
     def purge_before(self, epoch: int) -> int:
@@ -173,6 +196,7 @@ class Outbound:
     def _wrote(self, attachment: int) -> None:
         if self._writer == attachment:
             self._writer = 0
+            self._taken = []
             self._written.set()
             if self._handover_timer is not None and self._handover_timer[0] == attachment:
                 self._handover_timer[1].cancel()
@@ -219,43 +243,81 @@ class Outbound:
         self._wrote(attachment)
         while True:
             if attachment != self._attachment:
-                return self._farewells.pop(attachment, None)
+                return self._farewell(attachment)
             if not self._handed_over(attachment):
                 self._written.clear()
                 await self._written.wait()  # set by the displaced stream's write, or its cut-off
                 continue
-            event = self.get_nowait()
-            if event is not None:
+            item = self._next()
+            if item is not None:
                 self._writer = attachment
-                return event
+                self._taken = [item]
+                return item.event
             if self._closed:
                 return None
             self._wake.clear()
             await self._wake.wait()
 
     def take(self, attachment: int, limit: int) -> tuple[list[tuple[session_pb2.ServerEvent, int]], bool]:
-        """Up to ``limit`` events for the stream holding ``attachment``, each with its size in
-        bytes as it was queued (an ack folded into it since may be a byte or two more), without
-        waiting, and
-        whether that stream should end once it has written them (it was displaced: its farewell
-        is its last event; or the queue is closed and empty). ``get``'s rules hold: nothing is
-        taken while a displaced stream's last write is not done (the listener is called when it
-        is, or when that stream is cut off after ``HANDOVER_TIMEOUT_S``), and the stream says
-        when it has written what it took (``wrote``) before it takes again."""
+        """Up to ``limit`` events for the stream holding ``attachment``, numbered, each with its
+        size in bytes as it was queued plus its id (an ack folded into it since may be a byte or
+        two more), without waiting, and whether that stream should end once it has written them
+        (it was displaced: its farewell is its last event; or the queue is closed and empty).
+        ``get``'s rules hold: nothing is taken while a displaced stream's last write is not
+        done (the listener is called when it is, or when that stream is cut off after
+        ``HANDOVER_TIMEOUT_S``), and the stream says when it has written what it took
+        (``wrote``) before it takes again."""
         if attachment != self._attachment:
-            farewell = self._farewells.pop(attachment, None)
+            farewell = self._farewell(attachment)
             return ([(farewell, farewell.ByteSize())] if farewell is not None else []), True
         if not self._handed_over(attachment):
             return [], False
-        events: list[tuple[session_pb2.ServerEvent, int]] = []
-        while len(events) < limit:
+        taken: list[_Item] = []
+        while len(taken) < limit:
             item = self._next()
             if item is None:
                 break
-            events.append((item.event, item.size))
-        if events:
+            taken.append(item)
+        events = [(item.event, item.size) for item in taken]
+        if taken:
             self._writer = attachment
+            self._taken = taken
         return events, self._closed and not self._items
+
+    def unsent(self, attachment: int, count: int | None = None) -> None:
+        """The stream holding ``attachment`` could not write the last ``count`` (None: all) of
+        the events it took last: its call ended first (dropped, cancelled). They go back to the
+        head of the queue (behind an ``opened`` put there for a resumed stream), to be numbered
+        again when taken, so the stream that resumes the session gets them. Only while that
+        stream is still their writer and nothing was numbered after them: a stream cut off for
+        not writing in time (``HANDOVER_TIMEOUT_S``) may already have let another one take."""
+        if self._writer != attachment or self._closed or self.overflowed:
+            return
+        keep = 0 if count is None else max(len(self._taken) - count, 0)
+        back = self._taken[keep:]
+        if not back or back[-1].event.event_id != f"se_{self.numbered}":
+            return
+        del self._taken[keep:]
+        at = 0
+        while at < len(self._items) and self._items[at].front:
+            at += 1
+        for item in reversed(back):
+            item.size -= len(item.event.event_id) + 2
+            item.event.ClearField("event_id")
+            self.numbered -= 1
+            if item.front and at:
+                continue  # an ``opened`` the resumed stream's own ``opened`` supersedes
+            self._items.insert(at, item)
+            self._bytes += item.size
+        self._signal()
+
+    def _farewell(self, attachment: int) -> session_pb2.ServerEvent | None:
+        """The last event of the displaced stream holding ``attachment``, numbered now (a stream
+        that ended before it took its farewell costs the session no number)."""
+        farewell = self._farewells.pop(attachment, None)
+        if farewell is not None:
+            self._number(farewell)
+        return farewell
 
     def get_nowait(self) -> session_pb2.ServerEvent | None:
         """The next deliverable event, or None when none is queued now."""
@@ -263,12 +325,15 @@ class Outbound:
         return item.event if item is not None else None
 
     def _next(self) -> _Item | None:
+        """The next deliverable item, numbered, with its size as it goes out."""
         while self._items:
             item = self._items.popleft()
             self._bytes -= item.size
             if item.epoch is not None and item.epoch < self._current_epoch():  # its epoch was left
                 DROPPED[DropReason.STALE_EPOCH].inc()
                 continue
+            self._number(item.event)
+            item.size += len(item.event.event_id) + 2  # the id's field: a tag and a length byte
             EVENTS_OUT[item.event.WhichOneof("event") or "none"].inc()
             return item
         return None

@@ -181,7 +181,7 @@ class SessionState:
         """(response id, turn id, ``ResponseStatus``; ACTIVE while it runs) of the last response."""
         if progress is not None:
             self.turn_id = progress.turn_id
-            self.emitter.count = progress.events
+            self.outbound.numbered = progress.events
             if progress.last_response_id:
                 status = progress.last_response_status
                 if status == ACTIVE:
@@ -216,8 +216,8 @@ class SessionState:
         response_id, _, status = self.last_response or ("", 0, ACTIVE)
         return SessionProgress(
             turn_id=self.turn_id,
-            # +1: a token goes out in an event numbered after it was made.
-            events=self.emitter.count + 1,
+            # A token goes out in an event numbered after it was made: at most this.
+            events=self.outbound.next_ids_at_most(),
             last_response_id=response_id,
             last_response_status=int(status),
         )

@@ -69,7 +69,9 @@ class SessionProgress:
     turn_id: int = 0
     """The highest turn id used."""
     events: int = 0
-    """Server events numbered so far (``se_1`` .. ``se_<events>``)."""
+    """An upper bound of the server events numbered so far (``se_1`` .. ``se_<events>``; the
+    events a stream has yet to take are counted too): a replica taking the session over numbers
+    from it, so no id is given twice."""
     last_response_id: str = ""
     """The session's last response ("" before the first)."""
     last_response_status: int = 0
