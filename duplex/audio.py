@@ -1,5 +1,9 @@
 """PCM formats, validation, conversion, streaming resampling and WAV files.
 
+G.711 (mu-law ``PCMU`` and A-law ``PCMA``, 8 kHz mono, the telephone network's audio) is an
+encoding like the PCM ones: ``decode`` and ``encode`` convert it, by table, once, where PCM is
+converted.
+
 Everything here runs on host memory: in the session service (client audio to the worker's
 format and back), in the client (files to the session's format) and in tests. Resampling is
 libsoxr's (``soxr``), WAV files are libsndfile's (``soundfile``). Samples are float32 in
@@ -8,6 +12,7 @@ libsoxr's (``soxr``), WAV files are libsndfile's (``soundfile``). Samples are fl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
@@ -24,8 +29,13 @@ FloatArray = npt.NDArray[np.float32]
 
 S16LE = common_pb2.AUDIO_ENCODING_PCM_S16LE
 F32LE = common_pb2.AUDIO_ENCODING_PCM_F32LE
+PCMU = common_pb2.AUDIO_ENCODING_PCMU
+PCMA = common_pb2.AUDIO_ENCODING_PCMA
 Encoding: TypeAlias = common_pb2.AudioEncoding.ValueType
-_SAMPLE_BYTES: dict[Encoding, int] = {S16LE: 2, F32LE: 4}
+_SAMPLE_BYTES: dict[Encoding, int] = {S16LE: 2, F32LE: 4, PCMU: 1, PCMA: 1}
+#: G.711 is narrowband telephone audio: one rate, one channel.
+G711_RATE = 8000
+_NAMES: dict[Encoding, str] = {S16LE: "s16le", F32LE: "f32le", PCMU: "pcmu", PCMA: "pcma"}
 #: Rates a session accepts; anything else is "unsupported_audio_format".
 SUPPORTED_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
 MAX_CHANNELS = 2
@@ -81,15 +91,100 @@ class PcmFormat:
             )
         if not 1 <= fmt.channels <= MAX_CHANNELS:
             raise BadEventError(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"unsupported channels {fmt.channels}")
+        if fmt.encoding in (PCMU, PCMA) and (fmt.sample_rate_hz != G711_RATE or fmt.channels != 1):
+            raise BadEventError(
+                ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
+                f"G.711 ({_NAMES[fmt.encoding]}) is {G711_RATE} Hz mono, "
+                f"not {fmt.sample_rate_hz} Hz with {fmt.channels} channel(s)",
+            )
         return cls(fmt.encoding, int(fmt.sample_rate_hz), int(fmt.channels))
 
+    @property
+    def g711(self) -> bool:
+        """mu-law or A-law: 8 kHz mono, one byte per sample."""
+        return self.encoding in (PCMU, PCMA)
+
     def __str__(self) -> str:
-        name = "s16le" if self.encoding == S16LE else "f32le"
-        return f"{name}/{self.sample_rate_hz}Hz/{self.channels}ch"
+        return f"{_NAMES.get(self.encoding, '?')}/{self.sample_rate_hz}Hz/{self.channels}ch"
 
 
 #: The format of every worker model in this project: 16 kHz mono 16-bit.
 PCM16K_MONO = PcmFormat(S16LE, 16000, 1)
+#: Telephone audio: G.711 mu-law and A-law, 8 kHz mono.
+PCMU_8K = PcmFormat(PCMU, G711_RATE, 1)
+PCMA_8K = PcmFormat(PCMA, G711_RATE, 1)
+
+
+# ---- G.711 (ITU-T G.711; the segment arithmetic of its reference C code, as sox and most
+# telephony stacks use it). Decoding is a 256-entry table; encoding a 65,536-entry table
+# indexed by the 16-bit sample, both built once with numpy.
+
+_ULAW_BIAS = 0x84
+_ULAW_CLIP = 32635
+
+
+def _segment(magnitude: npt.NDArray[np.int32], ends: tuple[int, ...]) -> npt.NDArray[np.int32]:
+    """The first segment whose end is >= ``magnitude`` (len(ends) when none is)."""
+    return np.searchsorted(np.asarray(ends, dtype=np.int32), magnitude, side="left").astype(np.int32)
+
+
+@functools.cache
+def _ulaw_encode_table() -> npt.NDArray[np.uint8]:
+    pcm = np.arange(-32768, 32768, dtype=np.int32)
+    sign = np.where(pcm < 0, 0x80, 0x00)
+    mag = np.minimum(np.abs(pcm), _ULAW_CLIP) + _ULAW_BIAS
+    # Exponent: the position of the highest set bit of mag >> 7 (0..7).
+    exponent = np.zeros_like(mag)
+    for e in range(1, 8):
+        exponent = np.where(mag >= (0x80 << e), e, exponent)
+    mantissa = (mag >> (exponent + 3)) & 0x0F
+    table: npt.NDArray[np.uint8] = (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8)
+    return table
+
+
+@functools.cache
+def _ulaw_decode_table() -> npt.NDArray[np.int16]:
+    u = ~np.arange(256, dtype=np.int32) & 0xFF
+    t = (((u & 0x0F) << 3) + _ULAW_BIAS) << ((u & 0x70) >> 4)
+    table: npt.NDArray[np.int16] = np.where(u & 0x80, _ULAW_BIAS - t, t - _ULAW_BIAS).astype(np.int16)
+    return table
+
+
+_ALAW_SEGMENT_ENDS = (0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF)
+
+
+@functools.cache
+def _alaw_encode_table() -> npt.NDArray[np.uint8]:
+    pcm = np.arange(-32768, 32768, dtype=np.int32) >> 3
+    mask = np.where(pcm >= 0, 0xD5, 0x55)
+    mag = np.where(pcm >= 0, pcm, -pcm - 1)
+    seg = _segment(mag, _ALAW_SEGMENT_ENDS)
+    low = np.where(seg < 2, (mag >> 1) & 0x0F, (mag >> np.maximum(seg, 1)) & 0x0F)
+    aval = np.where(seg >= 8, 0x7F, (seg << 4) | low)
+    table: npt.NDArray[np.uint8] = ((aval ^ mask) & 0xFF).astype(np.uint8)
+    return table
+
+
+@functools.cache
+def _alaw_decode_table() -> npt.NDArray[np.int16]:
+    a = np.arange(256, dtype=np.int32) ^ 0x55
+    t = (a & 0x0F) << 4
+    seg = (a & 0x70) >> 4
+    t = np.where(seg == 0, t + 8, t + 0x108)
+    t = np.where(seg > 1, t << np.maximum(seg - 1, 0), t)
+    table: npt.NDArray[np.int16] = np.where(a & 0x80, t, -t).astype(np.int16)
+    return table
+
+
+def _g711_decode(data: bytes, encoding: Encoding) -> npt.NDArray[np.int16]:
+    table = _ulaw_decode_table() if encoding == PCMU else _alaw_decode_table()
+    out: npt.NDArray[np.int16] = table[np.frombuffer(data, dtype=np.uint8)]
+    return out
+
+
+def _g711_encode(samples: npt.NDArray[np.int16], encoding: Encoding) -> bytes:
+    table = _ulaw_encode_table() if encoding == PCMU else _alaw_encode_table()
+    return table[samples.astype(np.int32) + 32768].tobytes()
 
 
 def decode(pcm: bytes, fmt: PcmFormat) -> FloatArray:
@@ -101,6 +196,8 @@ def decode(pcm: bytes, fmt: PcmFormat) -> FloatArray:
         )
     if fmt.encoding == S16LE:
         x = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    elif fmt.encoding in (PCMU, PCMA):
+        x = _g711_decode(pcm, fmt.encoding).astype(np.float32) / 32768.0
     else:
         x = np.frombuffer(pcm, dtype="<f4").astype(np.float32)
         if not np.all(np.isfinite(x)):
@@ -119,6 +216,8 @@ def encode(samples: npt.NDArray[np.floating], fmt: PcmFormat) -> bytes:
     x = np.clip(x, -1.0, 1.0)
     if fmt.encoding == S16LE:
         return _to_int16(x).tobytes()
+    if fmt.encoding in (PCMU, PCMA):
+        return _g711_encode(_to_int16(x), fmt.encoding)
     return x.astype("<f4").tobytes()
 
 
@@ -298,8 +397,12 @@ def read_wav(path: str | Path) -> tuple[FloatArray, int]:
     return x, rate
 
 
-def write_wav(path: str | Path, samples: npt.NDArray[np.floating], sample_rate_hz: int) -> None:
-    """Write float ``(frames,)`` or ``(frames, channels)`` as 16-bit PCM WAV.
+def write_wav(
+    path: str | Path, samples: npt.NDArray[np.floating], sample_rate_hz: int, *, g711: Encoding | None = None
+) -> None:
+    """Write float ``(frames,)`` or ``(frames, channels)`` as 16-bit PCM WAV, or with ``g711``
+    (``PCMU`` or ``PCMA``) as a mu-law or A-law WAV (libsndfile's; decoded G.711 samples are
+    written back as the same codes).
 
     Raises ``OSError`` when the file cannot be created.
     """
@@ -308,13 +411,19 @@ def write_wav(path: str | Path, samples: npt.NDArray[np.floating], sample_rate_h
         x = x[:, None]
     # Quantised here as ``encode`` does, not left to libsndfile's own float scaling: the file
     # holds the samples the wire would carry, and read_wav inverts them to one step.
+    subtype = "PCM_16" if g711 is None else ("ULAW" if g711 == PCMU else "ALAW")
     with open(path, "wb") as f:
-        sf.write(f, _to_int16(x), sample_rate_hz, format="WAV", subtype="PCM_16")
+        sf.write(f, _to_int16(x), sample_rate_hz, format="WAV", subtype=subtype)
 
 
 __all__ = [
     "F32LE",
+    "G711_RATE",
     "PCM16K_MONO",
+    "PCMA",
+    "PCMA_8K",
+    "PCMU",
+    "PCMU_8K",
     "RESAMPLE_QUALITY",
     "S16LE",
     "SUPPORTED_RATES",

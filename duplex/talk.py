@@ -24,6 +24,8 @@ import numpy as np
 
 from duplex.audio import (
     PCM16K_MONO,
+    PCMA_8K,
+    PCMU_8K,
     AudioFileError,
     PcmFormat,
     decode,
@@ -62,16 +64,17 @@ class TalkError(Exception):
 
 @dataclass
 class InputAudio:
-    """A WAV file already converted to 16 kHz mono s16le (the session's input format)."""
+    """A WAV file already converted to the session's input format (``fmt``)."""
 
     path: Path
     pcm: bytes
     source_rate: int
     source_channels: int
+    fmt: PcmFormat = PCM16K_MONO
 
     @property
     def duration_ms(self) -> float:
-        return PCM16K_MONO.duration_ms(len(self.pcm))
+        return self.fmt.duration_ms(len(self.pcm))
 
     @classmethod
     def load(cls, path: str | Path, fmt: PcmFormat = PCM16K_MONO) -> InputAudio:
@@ -84,7 +87,7 @@ class InputAudio:
         except OSError as exc:
             raise AudioFileError(f"{p}: {exc.strerror or exc}") from exc
         pcm = encode(resample(to_mono(samples), rate, fmt.sample_rate_hz), fmt)
-        return cls(p, pcm, rate, samples.shape[1])
+        return cls(p, pcm, rate, samples.shape[1], fmt)
 
 
 @dataclass
@@ -183,7 +186,11 @@ async def talk(
     out = out or sys.stdout
     err = err or sys.stderr
     tl = Timeline(out)
-    session = await client.open_session(model=model, input_format=PCM16K_MONO)
+    fmt_in = audio.fmt
+    # Telephone audio comes back as it went: a G.711 caller hears G.711.
+    session = await client.open_session(
+        model=model, input_format=fmt_in, output_format=fmt_in if fmt_in.g711 else None
+    )
     out.write(f"{'t':>11}  {'event':<18} detail\n")
     try:
         fmt = session.output_format
@@ -193,13 +200,14 @@ async def talk(
             f"in={session.input_format} out={fmt}",
             key="opened",
         )
-        pcm = audio.pcm + encode(np.zeros(16 * trailing_silence_ms, np.float32), PCM16K_MONO)
-        progress = Progress(err, PCM16K_MONO.duration_ms(len(pcm)))
+        silence = np.zeros(fmt_in.sample_rate_hz * trailing_silence_ms // 1000, np.float32)
+        pcm = audio.pcm + encode(silence, fmt_in)
+        progress = Progress(err, fmt_in.duration_ms(len(pcm)))
         tl.clear_line = progress.tty and out.isatty()
         send_start = time.monotonic()
 
         async def send() -> None:
-            sent = await session.stream_audio([pcm], fmt=PCM16K_MONO, realtime=realtime, progress=progress)
+            sent = await session.stream_audio([pcm], fmt=fmt_in, realtime=realtime, progress=progress)
             progress.done()
             rate = sent / max(1.0, (time.monotonic() - send_start) * 1000)
             tl.add("input sent", f"{sent / 1000:.2f} s of audio ({rate:.1f}x real time)", key="input_sent")
@@ -357,10 +365,16 @@ def print_summary(result: TalkResult, out_path: Path | None, out: TextIO) -> Non
 
 
 def write_reply(result: TalkResult, path: Path) -> None:
-    """Save the reply as 16-bit WAV at the session's output rate."""
-    samples = decode(result.reply, result.reply_format)
+    """Save the reply as WAV at the session's output rate: 16-bit PCM, or G.711 (a mu-law or
+    A-law WAV) when the reply came so."""
+    fmt = result.reply_format
+    samples = decode(result.reply, fmt)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_wav(path, samples, result.reply_format.sample_rate_hz)
+    write_wav(path, samples, fmt.sample_rate_hz, g711=fmt.encoding if fmt.g711 else None)
+
+
+#: ``--codec``: the session's input format (and, for G.711, its output format).
+CODECS: dict[str, PcmFormat] = {"pcm": PCM16K_MONO, "pcmu": PCMU_8K, "pcma": PCMA_8K}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -406,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="silence appended so turn detection ends the turn (default: %(default)s)",
     )
+    p.add_argument(
+        "--codec",
+        choices=sorted(CODECS),
+        default="pcm",
+        help="the audio on the wire: pcm (16 kHz 16-bit, the default), or telephone audio, G.711 at "
+        "8 kHz: pcmu (mu-law) or pcma (A-law), both ways; the reply is saved as a WAV of the same",
+    )
     p.add_argument("--model", default="", help="expected model id (default: whatever the service runs)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds")
     p.add_argument(
@@ -441,7 +462,7 @@ def _credentials(args: argparse.Namespace) -> tuple[grpc.ChannelCredentials | No
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        audio = InputAudio.load(args.input)
+        audio = InputAudio.load(args.input, CODECS[args.codec])
     except AudioFileError as exc:
         print(f"duplex talk: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from duplex import talk
-from duplex.audio import read_wav, resample, to_mono, write_wav
+from duplex.audio import PCM16K_MONO, PcmFormat, read_wav, resample, to_mono, write_wav
 from duplex.client import DuplexClient
 from duplex.stack import example_path
 from tests.procs import REPO
@@ -45,11 +45,12 @@ def make_variant(tmp_path: Path, rate: int, channels: int) -> Path:
 
 
 async def talk_file(
-    stack: InProcessStack, src: Path, out_path: Path, **options: Any
+    stack: InProcessStack, src: Path, out_path: Path, *, fmt: PcmFormat = PCM16K_MONO, **options: Any
 ) -> tuple[talk.TalkResult, str]:
     """What ``duplex talk SRC -o OUT --fast`` does after reading its arguments: talk, save the
-    reply, print the summary; returns the result and the printed timeline."""
-    audio = talk.InputAudio.load(src)
+    reply, print the summary; returns the result and the printed timeline. ``fmt``: the input
+    format (``--codec``)."""
+    audio = talk.InputAudio.load(src, fmt)
     out = io.StringIO()
     async with DuplexClient(stack.target) as client:
         result = await talk.talk(client, audio, realtime=False, out=out, err=io.StringIO(), **options)

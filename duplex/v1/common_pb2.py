@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64uplex/v1/common.proto\x12\tduplex.v1\"c\n\x0b\x41udioFormat\x12*\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x18.duplex.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\r\x12\x10\n\x08\x63hannels\x18\x03 \x01(\r\"C\n\x0c\x41udioPayload\x12\x0b\n\x03pcm\x18\x01 \x01(\x0c\x12&\n\x06\x66ormat\x18\x02 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\";\n\x05\x46\x65nce\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07turn_id\x18\x03 \x01(\x04*k\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_S16LE\x10\x01\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_F32LE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64uplex/v1/common.proto\x12\tduplex.v1\"c\n\x0b\x41udioFormat\x12*\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x18.duplex.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\r\x12\x10\n\x08\x63hannels\x18\x03 \x01(\r\"C\n\x0c\x41udioPayload\x12\x0b\n\x03pcm\x18\x01 \x01(\x0c\x12&\n\x06\x66ormat\x18\x02 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\";\n\x05\x46\x65nce\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07turn_id\x18\x03 \x01(\x04*\x9d\x01\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_S16LE\x10\x01\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_F32LE\x10\x02\x12\x17\n\x13\x41UDIO_ENCODING_PCMU\x10\x03\x12\x17\n\x13\x41UDIO_ENCODING_PCMA\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duplex.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOENCODING']._serialized_start=268
-  _globals['_AUDIOENCODING']._serialized_end=375
+  _globals['_AUDIOENCODING']._serialized_start=269
+  _globals['_AUDIOENCODING']._serialized_end=426
   _globals['_AUDIOFORMAT']._serialized_start=37
   _globals['_AUDIOFORMAT']._serialized_end=136
   _globals['_AUDIOPAYLOAD']._serialized_start=138

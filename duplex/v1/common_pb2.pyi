@@ -31,6 +31,14 @@ class _AudioEncodingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AudioEn
     """Signed 16-bit little-endian integers, interleaved by channel."""
     AUDIO_ENCODING_PCM_F32LE: _AudioEncoding.ValueType  # 2
     """IEEE-754 32-bit little-endian floats in [-1, 1], interleaved by channel."""
+    AUDIO_ENCODING_PCMU: _AudioEncoding.ValueType  # 3
+    """G.711 mu-law (ITU-T G.711, the North American and Japanese telephone
+    network's), one byte per sample; 8000 Hz mono only.
+    """
+    AUDIO_ENCODING_PCMA: _AudioEncoding.ValueType  # 4
+    """G.711 A-law (ITU-T G.711, the rest of the world's), one byte per sample;
+    8000 Hz mono only.
+    """
 
 class AudioEncoding(_AudioEncoding, metaclass=_AudioEncodingEnumTypeWrapper):
     """How PCM samples are laid out in a byte string."""
@@ -43,6 +51,14 @@ AUDIO_ENCODING_PCM_S16LE: AudioEncoding.ValueType  # 1
 """Signed 16-bit little-endian integers, interleaved by channel."""
 AUDIO_ENCODING_PCM_F32LE: AudioEncoding.ValueType  # 2
 """IEEE-754 32-bit little-endian floats in [-1, 1], interleaved by channel."""
+AUDIO_ENCODING_PCMU: AudioEncoding.ValueType  # 3
+"""G.711 mu-law (ITU-T G.711, the North American and Japanese telephone
+network's), one byte per sample; 8000 Hz mono only.
+"""
+AUDIO_ENCODING_PCMA: AudioEncoding.ValueType  # 4
+"""G.711 A-law (ITU-T G.711, the rest of the world's), one byte per sample;
+8000 Hz mono only.
+"""
 Global___AudioEncoding: _TypeAlias = AudioEncoding  # noqa: Y015
 
 @_typing.final

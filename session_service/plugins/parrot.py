@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from duplex.audio import F32LE, PCM16K_MONO, S16LE, SUPPORTED_RATES, PcmFormat
+from duplex.audio import F32LE, PCM16K_MONO, PCMA_8K, PCMU_8K, S16LE, SUPPORTED_RATES, PcmFormat
 from duplex.errors import ErrorCode, echo
 from session_service.plugin import (
     Capabilities,
@@ -58,8 +58,9 @@ class ParrotPlugin(DuplexModelPlugin):
     # ---- session policy ----
 
     def capabilities(self, *, max_sessions: int) -> Capabilities:
-        formats = tuple(
-            PcmFormat(enc, rate, ch) for enc in (S16LE, F32LE) for rate in SUPPORTED_RATES for ch in (1, 2)
+        formats = (
+            *(PcmFormat(e, rate, ch) for e in (S16LE, F32LE) for rate in SUPPORTED_RATES for ch in (1, 2)),
+            *(PCMU_8K, PCMA_8K),  # telephone audio, converted where the PCM formats are
         )
         return Capabilities(
             model=self.plugin_id,
