@@ -58,6 +58,7 @@ from hypothesis.stateful import (
 from duplex.audio import F32LE, PCM16K_MONO, S16LE, PcmFormat, encode, resample
 from duplex.errors import ErrorCode
 from duplex.v1 import common_pb2, session_pb2
+from session_service.session.emitter import echoed_event_id
 from session_service.session.settings import MAX_EXTRA_BODY_DEPTH
 from tests.fuzz_helpers import BAD_STATUSES, KNOWN_CODES, VOICES, HealthyTalker, story, turn_problems
 from tests.session_helpers import Conversation, InProcessStack, in_process_stack, open_event, sample
@@ -380,9 +381,9 @@ class FuzzMachine(RuleBasedStateMachine):
                 )
             else:
                 eid = ev.event_id
-                got = await self._until(s, lambda e: e.error.event_id == eid)
+                got = await self._until(s, lambda e: e.error.event_id == echoed_event_id(eid))
                 assert got, (s.conv.status, s.conv.error)
-                last = [e for e in s.conv.events if e.error.event_id == eid][-1]
+                last = [e for e in s.conv.events if e.error.event_id == echoed_event_id(eid)][-1]
                 assert last.error.code == ErrorCode.SESSION_NOT_OPEN, last
 
     async def _speak(self, s: _Stream, x: np.ndarray) -> None:
@@ -403,7 +404,7 @@ class FuzzMachine(RuleBasedStateMachine):
         """Every event sent so far is handled: an empty event's invalid_event answer is back."""
         eid = self._eid("sync")
         s.conv.send(session_pb2.ClientEvent(event_id=eid))
-        await self._until(s, lambda e: e.error.event_id == eid)
+        await self._until(s, lambda e: e.error.event_id == echoed_event_id(eid))
         self._observe(s)
 
     def _observe(self, s: _Stream) -> None:
@@ -478,7 +479,8 @@ class FuzzMachine(RuleBasedStateMachine):
         async def go() -> None:
             await self._send(s, ev)
             if was_open:
-                assert [e.error.code for e in s.conv.events if e.error.event_id == ev.event_id] == [
+                echo = echoed_event_id(ev.event_id)
+                assert [e.error.code for e in s.conv.events if e.error.event_id == echo] == [
                     ErrorCode.ALREADY_OPEN
                 ]
             else:
@@ -496,7 +498,8 @@ class FuzzMachine(RuleBasedStateMachine):
         async def go() -> None:
             if s.opened:
                 await self._send(s, ev)
-                codes = [e.error.code for e in s.conv.events if e.error.event_id == ev.event_id]
+                echo = echoed_event_id(ev.event_id)
+                codes = [e.error.code for e in s.conv.events if e.error.event_id == echo]
                 # A message that does not parse has no event_id the server could read.
                 assert codes == ([] if kind == "unparsable" else [ErrorCode.ALREADY_OPEN]), codes
                 return
@@ -692,7 +695,8 @@ class FuzzMachine(RuleBasedStateMachine):
                 return
             await self._send(s, ev)
             if s.opened and expect:
-                codes = [e.error.code for e in s.conv.events if e.error.event_id == ev.event_id]
+                echo = echoed_event_id(ev.event_id)
+                codes = [e.error.code for e in s.conv.events if e.error.event_id == echo]
                 # A bad append may also be refused for the input being abandoned (an earlier
                 # write to the worker failed), never for anything else.
                 assert len(codes) == 1 and codes[0] in expect, (kind, codes, expect)
@@ -804,10 +808,9 @@ class FuzzMachine(RuleBasedStateMachine):
         async def go() -> None:
             await self._send(s, ev, unparsable=kind == "unparsable")
             if s.opened:
-                answers = [
-                    e for e in s.conv.events if e.error.event_id == ev.event_id or e.HasField("updated")
-                ]
-                codes = [e.error.code for e in s.conv.events if e.error.event_id == ev.event_id]
+                echo = echoed_event_id(ev.event_id)
+                answers = [e for e in s.conv.events if e.error.event_id == echo or e.HasField("updated")]
+                codes = [e.error.code for e in s.conv.events if e.error.event_id == echo]
                 if kind == "unparsable":  # no event_id the server could read
                     assert not codes and s.conv.of("error")[-2].error.code == ErrorCode.INVALID_EVENT
                     return
