@@ -32,7 +32,13 @@ a core, /proc). Then:
 * **batching gain**: the same ramp at ``--batch1-append-ms`` against ``duplex worker --max-batch 1``,
   capacity with batching over capacity without;
 * **profile**: ``py-spy record`` of the session service during one more step at the capacity N of
-  the first append size: its top functions.
+  the first append size: its top functions;
+* with ``--lanes-append-ms``: a ramp at that append size from generators that hold their sessions
+  as lanes of one ``ConverseMany`` stream each (``--lanes-steps``);
+* with ``--floor-append-ms``: the transport's floor at that append size: a bare grpc.aio echo
+  (``benchmarks.grpc_echo``) with one stream per session at the capacity found, one message each
+  way per append; the sessions one core could hold at that cost per append
+  (``floor_sessions``), and the capacity on per-session streams as a fraction of it.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _profile
+from benchmarks import _profile, grpc_echo
 from benchmarks._load import LoadSpec, judge, run_load, step_row
 from benchmarks._services import stack
 from benchmarks._sys import NoMeasurement, fail, fmt, ints, write_result
@@ -58,13 +64,14 @@ def ramp(
     out_of_time: Callable[[], bool] = lambda: False,
     *,
     confirm: bool = True,
+    smallest: int = 1,
 ) -> tuple[int | None, list[Row], bool]:
     """Run ascending ``steps`` until one does not hold; (capacity, rows run, stopped by the time
     budget). With ``confirm`` a step that does not hold is run once more and the second verdict
     counts (a spike of someone else's load on a shared machine does not end the ramp; a real limit
-    fails twice). When the first step does not hold, N is halved down to 1; capacity None when even
-    that fails. ``out_of_time()`` is asked before each step: when it says so, the ramp stops there
-    (capacity is then a lower bound)."""
+    fails twice). When the first step does not hold, N is halved down to ``smallest`` (1); capacity
+    None when even that fails. ``out_of_time()`` is asked before each step: when it says so, the
+    ramp stops there (capacity is then a lower bound)."""
     rows: list[Row] = []
 
     def holds(n: int) -> bool | None:
@@ -88,7 +95,7 @@ def ramp(
         capacity = n
     if capacity is None:
         n = steps[0] // 2
-        while n >= 1:
+        while n >= max(1, smallest):
             verdict = holds(n)
             if verdict is None:
                 return capacity, rows, True
@@ -121,8 +128,14 @@ def run_ramp(
     profile_s: int = 0,
     profile_n: Callable[[int | None], int] | None = None,
     out_of_time: Callable[[], bool] = lambda: False,
+    lanes: bool = False,
+    steps: list[int] | None = None,
+    confirm: bool | None = None,
+    smallest: int = 1,
 ) -> dict[str, Any]:
-    """One stack, one ramp (and optionally the profiled step on the same stack)."""
+    """One stack, one ramp (and optionally the profiled step on the same stack); ``lanes``: the
+    generators hold their sessions as lanes of one ConverseMany stream (also with ``--lanes``)."""
+    lanes = lanes or args.lanes
     with stack("parrot", device=args.device, torch_threads=args.torch_threads, max_batch=max_batch) as st:
         assert st.session is not None
         pids = {"session": st.session.pid, "worker": st.worker_children[0].pid}
@@ -136,7 +149,7 @@ def run_ramp(
                 tail_s=args.tail,
                 generators=args.generators,
                 separate_acks=not args.carried_acks,
-                lanes=args.lanes,
+                lanes=lanes,
                 flush_ms=args.flush_ms,
             )
             r = run_load(st.target, spec, pids, during_window=during)
@@ -147,10 +160,18 @@ def run_ramp(
             print_row(label, row)
             return row
 
-        capacity, rows, stopped = ramp(args.steps, step, out_of_time, confirm=args.confirm)
+        capacity, rows, stopped = ramp(
+            steps or args.steps,
+            step,
+            out_of_time,
+            confirm=args.confirm if confirm is None else confirm,
+            smallest=smallest,
+        )
         out: dict[str, Any] = {
             "append_ms": append_ms,
             "max_batch": max_batch,
+            "lanes": lanes,
+            "smallest": smallest,
             "capacity": capacity,
             "stopped_by_budget": stopped,
             "steps": rows,
@@ -223,6 +244,39 @@ def profile_step(step: Callable[..., Row], pid: int, n: int, seconds: int) -> di
     return top
 
 
+def floor_sessions(echo_us_per_pair: float, append_ms: float) -> float:
+    """How many sessions one core could hold if each append cost only the transport's floor: one
+    gRPC read and one write (the bare echo's CPU per message pair) per append."""
+    if echo_us_per_pair <= 0 or append_ms <= 0:
+        raise NoMeasurement("the echo's cost per message pair is not a measurement")
+    return 1e6 / (echo_us_per_pair * 1000.0 / append_ms)
+
+
+def measure_floor(append_ms: int, capacity: int | None, seconds: float) -> dict[str, Any]:
+    """The transport's floor at ``append_ms`` appends: the bare grpc.aio echo (its own server
+    process) with one stream per session at the capacity found (64 when none), one message each
+    way per append; the sessions it allows per core, and the capacity as a fraction of that."""
+    streams = capacity or 64
+    echo = grpc_echo.measure(streams, float(append_ms), seconds=seconds)
+    floor = floor_sessions(echo["cpu_us_per_pair"], append_ms)
+    out = {
+        "append_ms": append_ms,
+        "echo": echo,
+        "floor_sessions": floor,
+        "capacity": capacity,
+        "capacity_fraction_of_floor": capacity / floor if capacity else None,
+    }
+    print(
+        f"  transport floor at {append_ms} ms appends: the bare gRPC echo costs "
+        f"{echo['cpu_us_per_pair']:.0f} µs per message pair ({streams} streams), so one core holds "
+        f"at most {floor:.0f} sessions; capacity "
+        f"{capacity if capacity else 'none'} is "
+        + (f"{out['capacity_fraction_of_floor']:.2f} of that" if capacity else "no fraction of it"),
+        flush=True,
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
@@ -258,6 +312,22 @@ def main(argv: list[str] | None = None) -> int:
         "each append's deadline, the wait for the next send included)",
     )
     p.add_argument("--flush-ms", type=float, default=8.0, help="--lanes: how often a generator sends")
+    p.add_argument(
+        "--lanes-append-ms",
+        type=int,
+        default=0,
+        help="also a ramp at this append size from generators holding their sessions as lanes of one "
+        "ConverseMany stream (ramp NAME: {ms}ms_lanes; 0 = skip)",
+    )
+    p.add_argument("--lanes-steps", default="", help="that ramp's session counts (default: --steps)")
+    p.add_argument(
+        "--floor-append-ms",
+        type=int,
+        default=0,
+        help="measure the transport's floor (a bare gRPC echo, one message each way per append) at this "
+        "append size after the ramps, and that ramp's capacity as a fraction of it (0 = skip)",
+    )
+    p.add_argument("--floor-seconds", type=float, default=5.0, help="the floor's echo window")
     p.add_argument("--profile-s", type=int, default=8, help="py-spy the session service this long (0 = no)")
     p.add_argument("--json", default="", help="write the results here (after each ramp too)")
     p.add_argument(
@@ -288,18 +358,25 @@ def main(argv: list[str] | None = None) -> int:
         "batch1_append_ms": args.batch1_append_ms,
         "complete": False,
     }
-    plan: list[tuple[str, int, int | None, int]] = [
-        (f"{ms}ms", ms, None, args.profile_s if i == 0 else 0) for i, ms in enumerate(sizes)
+    # (name, append ms, max batch, profile seconds, lanes)
+    plan: list[tuple[str, int, int | None, int, bool]] = [
+        (f"{ms}ms", ms, None, args.profile_s if i == 0 else 0, False) for i, ms in enumerate(sizes)
     ]
+    if args.lanes_append_ms:
+        # Second: the lanes' capacity is a figure of its own, before the batching gain's ramp.
+        plan.insert(1, (f"{args.lanes_append_ms}ms_lanes", args.lanes_append_ms, None, 0, True))
     if args.batch1_append_ms:
-        plan.append((f"{args.batch1_append_ms}ms_batch1", args.batch1_append_ms, 1, 0))
+        plan.append((f"{args.batch1_append_ms}ms_batch1", args.batch1_append_ms, 1, 0, False))
+    lanes_steps = sorted(set(ints(args.lanes_steps))) if args.lanes_steps else None
     try:
-        for name, ms, max_batch, profile_s in plan:
+        for name, ms, max_batch, profile_s, lanes in plan:
             if out_of_time():
                 results["ramps"][name] = {"skipped": "the time budget is spent", "append_ms": ms}
                 print(f"  {name}: skipped, the time budget is spent", flush=True)
                 continue
             label = f"{ms} ms appends" if max_batch is None else f"{ms} ms, batch 1"
+            if lanes:
+                label = f"{ms} ms, lanes"
             r = run_ramp(
                 args,
                 append_ms=ms,
@@ -308,18 +385,34 @@ def main(argv: list[str] | None = None) -> int:
                 profile_s=profile_s,
                 profile_n=lambda cap: cap or 1,
                 out_of_time=out_of_time,
+                lanes=lanes,
+                steps=lanes_steps if lanes else None,
+                # The lanes' ramp is a figure beside the main one: kept short (a failing step is
+                # not run again, and it halves no lower than a quarter of its first step).
+                confirm=False if lanes else None,
+                smallest=max(1, (lanes_steps or args.steps)[0] // 4) if lanes else 1,
             )
             if "profile" in r:
                 results["profile"] = r.pop("profile")
             results["ramps"][name] = r
             write_result(args.json, "capacity", results)  # what is done so far survives a kill
+        floor_ramp = results["ramps"].get(f"{args.floor_append_ms}ms")
+        if args.floor_append_ms and not args.lanes:
+            if out_of_time():
+                results["floor"] = {"skipped": "the time budget is spent"}
+            elif floor_ramp is None or "skipped" in floor_ramp:
+                results["floor"] = {"skipped": f"no {args.floor_append_ms} ms ramp was run"}
+            else:
+                results["floor"] = measure_floor(
+                    args.floor_append_ms, floor_ramp.get("capacity"), args.floor_seconds
+                )
     except NoMeasurement as exc:
         return fail(str(exc))
     done = {k: r for k, r in results["ramps"].items() if "skipped" not in r}
     failures = [
         f"{name}: not even one session holds real time ({'; '.join(r['steps'][-1]['why'])})"
         for name, r in done.items()
-        if r["capacity"] is None and not r["stopped_by_budget"]
+        if r["capacity"] is None and not r["stopped_by_budget"] and not r.get("lanes")
     ]
     gain = None
     key = f"{args.batch1_append_ms}ms"

@@ -9,6 +9,9 @@
 #   - the parrot step alone at B = 1, 2, 4, ... 1024 (and 2048, 4096, to find where a step no longer
 #     fits a 32 ms frame): ms per step (it ends with the VAD output copied to the host, which waits
 #     for the GPU) and the largest B within 32 ms, bisected;
+#   - the worker's ceiling (benchmarks/worker_ceiling.py, frame clock): one CUDA worker driven
+#     directly on its Run stream, with the near-zero null model and with the parrot, at
+#     N = 64 ... 4096 sessions: the most real-time sessions per worker process, µs per session-frame;
 #   - every other section (hop latency, e2e, CPU per tier, capacity, batching gain) against a
 #     `duplex worker --device cuda`, with a coarser capacity ramp and shorter windows so that a
 #     machine with many cores stays within the time.
@@ -25,6 +28,7 @@ start=$(date +%s)
 code=0
 "$PY" -m benchmarks.run --device "$DEVICE" --torch-threads 1 --budget-s 440 \
   --model-batches 1,2,4,8,16,32,64,128,256,512,1024,2048,4096 \
+  --ceiling-steps 64,256,512,1024,2048,4096 --ceiling-parrot-steps 64,256,512,1024,2048,4096 \
   --capacity-steps 16,32,64,128,192,256,384,512 --capacity-seconds 5 \
   --out build/bench-gpu || code=$?
 echo "gpu.sh: $(( $(date +%s) - start )) s, exit $code"

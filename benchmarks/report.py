@@ -34,6 +34,21 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
     ("capacity_p99_ack_ms", "append -> ack p99 at that capacity", "ms", None, -1),
     ("capacity_sessions_40ms", "real-time parrot sessions, 40 ms appends", "sessions", None, +1),
     ("capacity_p99_first_audio_ms", "end of turn -> first audio p99 at capacity (20 ms)", "ms", None, -1),
+    (
+        "capacity_sessions_lanes_20ms",
+        "real-time parrot sessions, 20 ms appends, generators on lanes of ConverseMany",
+        "sessions",
+        160,
+        +1,
+    ),
+    (
+        "capacity_fraction_of_floor_streams_20ms",
+        "capacity at 20 ms appends (one stream per session) over what the transport's floor allows",
+        "ratio",
+        0.8,
+        +1,
+    ),
+    ("first_audio_p99_ms_64", "end of speech -> first reply audio p99, 64 sessions (20 ms)", "ms", None, -1),
     ("session_cpu_us_per_frame", "session service CPU per session-frame", "µs", 60, -1),
     (
         "session_cpu_us_per_frame_separate_acks",
@@ -44,15 +59,58 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
     ),
     ("worker_cpu_us_per_frame", "worker CPU per session-frame", "µs", None, -1),
     (
+        "mean_batch_fraction_64_streams",
+        "worker's mean batch / sessions with input, 64 sessions",
+        "ratio",
+        0.9,
+        +1,
+    ),
+    (
+        "mean_batch_fraction_64_lanes",
+        "the same, sessions as lanes of one ConverseMany stream",
+        "ratio",
+        0.9,
+        +1,
+    ),
+    (
+        "worker_overhead_us_per_frame_streams",
+        "worker overhead: its CPU minus the model's whole share, per session-frame",
+        "µs",
+        30,
+        -1,
+    ),
+    (
+        "worker_overhead_us_per_frame_lanes",
+        "the same, sessions as lanes of one ConverseMany stream",
+        "µs",
+        30,
+        -1,
+    ),
+    (
+        "worker_ceiling_sessions",
+        "real-time sessions per worker process, near-zero model",
+        "sessions",
+        1000,
+        +1,
+    ),
+    ("worker_ceiling_sessions_parrot", "the same with the parrot", "sessions", None, +1),
+    (
+        "worker_ceiling_us_per_frame_1024",
+        "worker CPU per session-frame at 1,024 sessions, near-zero model",
+        "µs",
+        None,
+        -1,
+    ),
+    (
         "session_cpu_us_per_frame_step_interval",
-        "session service CPU per session-frame, worker --step-interval-ms (tiers' comparison)",
+        "session service CPU per session-frame, worker on the free clock, --step-interval-ms",
         "µs",
         None,
         -1,
     ),
     (
         "worker_cpu_us_per_frame_step_interval",
-        "worker CPU per session-frame, worker --step-interval-ms (tiers' comparison)",
+        "worker CPU per session-frame, worker on the free clock, --step-interval-ms",
         "µs",
         None,
         -1,
@@ -121,6 +179,8 @@ def load_sections(results: Path) -> dict[str, Any]:
         "e2e_bench",
         "tiers",
         "against_baseline",
+        "worker_ceiling",
+        "worker_ceiling_parrot",
         "capacity",
     ):
         path = results / f"{name}.json"
@@ -205,7 +265,69 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
     for row in _get(ms, "rows") or []:
         h[f"model_ms_per_step_b{row['batch']}"] = row["ms_per_step"]
     h["grpc_packed_over_single"] = _get(sections, "grpc_hop", "packed_over_single")
+    h.update(_issue21(sections))
     h["session_profile_through_grpc"] = _get(cap, "profile", "through_grpc")
+    return h
+
+
+def _overhead(row: Any) -> float | None:
+    """Worker CPU minus the model's whole share per session-frame, from a tiers window (its own
+    figure, or computed from its parts)."""
+    v = _get(row, "worker_overhead_us_per_frame")
+    if v is not None:
+        return v
+    w, m = _get(row, "cpu_us_per_frame", "worker"), _get(row, "model_at_mean_batch", "cpu_us_per_frame")
+    r = _get(row, "model_reply_us_per_frame")
+    return w - m - r if w is not None and m is not None and r is not None else None
+
+
+def _step_at(ramp: Any, n: int) -> dict[str, Any] | None:
+    """A ramp's last attempt at ``n`` sessions."""
+    rows = [s for s in _get(ramp, "steps") or [] if s.get("sessions") == n]
+    return rows[-1] if rows else None
+
+
+def _issue21(sections: dict[str, Any]) -> dict[str, Any]:
+    """The frame clock's figures: the mean batch against the sessions with input and the worker's
+    overhead over its model (tiers, both client modes), the worker's ceiling, the capacity from
+    lanes and against the transport's floor, end of speech -> first audio at 64 sessions."""
+    tiers = sections.get("tiers")
+    lanes = _get(tiers, "lanes_compared")
+    n = _get(tiers, "sessions")
+    at64 = n == 64
+    ramps = _get(sections, "capacity", "ramps") or {}
+    floor = _get(sections, "capacity", "floor")
+    step64 = _step_at(ramps.get("20ms"), 64)
+    null, parrot = sections.get("worker_ceiling"), sections.get("worker_ceiling_parrot")
+    h: dict[str, Any] = {
+        "tiers_sessions": n,
+        "mean_batch_fraction_64_streams": _get(tiers, "mean_batch") / n if at64 and tiers else None,
+        "mean_batch_fraction_64_lanes": (
+            _get(lanes, "mean_batch") / n if at64 and _get(lanes, "mean_batch") is not None else None
+        ),
+        "worker_overhead_us_per_frame_streams": _overhead(tiers),
+        "worker_overhead_us_per_frame_lanes": _overhead(lanes),
+        "model_whole_us_per_frame_lanes": _get(lanes, "model_whole_us_per_frame"),
+        "lanes_mean_batch": _get(lanes, "mean_batch"),
+        "worker_ceiling_sessions": _get(null, "ceiling_sessions"),
+        "worker_ceiling_first_behind": _get(null, "first_behind_sessions"),
+        # No step behind: the ceiling is the largest N measured, a lower bound.
+        "worker_ceiling_is_lower_bound": None if null is None else not null.get("first_behind_sessions"),
+        "worker_ceiling_sessions_parrot": _get(parrot, "ceiling_sessions"),
+        "worker_ceiling_first_behind_parrot": _get(parrot, "first_behind_sessions"),
+        "capacity_sessions_lanes_20ms": _get(ramps, "20ms_lanes", "capacity"),
+        "capacity_lanes_is_lower_bound": bool(_get(ramps, "20ms_lanes", "stopped_by_budget")),
+        "capacity_floor_sessions_20ms": _get(floor, "floor_sessions"),
+        "capacity_fraction_of_floor_streams_20ms": _get(floor, "capacity_fraction_of_floor"),
+        "grpc_echo_us_per_pair_20ms": _get(floor, "echo", "cpu_us_per_pair"),
+        "first_audio_p99_ms_64": _get(step64, "first_audio_ms", "p99"),
+        "first_audio_64_held": None if step64 is None else bool(step64.get("pass")),
+    }
+    for k in ("64", "256", "1024"):
+        h[f"worker_ceiling_us_per_frame_{k}"] = _get(null, "us_per_session_frame", k)
+    for k in ("64", "256", "512"):
+        row = next((r for r in _get(parrot, "rows") or [] if str(r.get("sessions")) == k), None)
+        h[f"worker_ceiling_parrot_us_per_frame_{k}"] = _get(row, "us_per_session_frame")
     return h
 
 
@@ -340,6 +462,7 @@ def markdown(
         )
     add(_table(["figure", "target", "this run", ""], rows))
     add("")
+    _bounds_md(add, latest)
 
     # baseline
     add("## Compared with the baseline\n")
@@ -375,6 +498,7 @@ def markdown(
 
     _capacity_md(add, sec.get("capacity"), plots)
     _tiers_md(add, sec.get("tiers"), plots, baseline)
+    _ceiling_md(add, sec.get("worker_ceiling"), sec.get("worker_ceiling_parrot"))
     _against_md(add, sec.get("against_baseline"))
     _hop_md(add, sec.get("hop_latency"), sec.get("grpc_hop"), plots)
     _e2e_md(add, sec.get("e2e_bench"), plots)
@@ -414,6 +538,8 @@ def _capacity_md(add: Any, cap: dict[str, Any] | None, plots: dict[str, str]) ->
             add(f"### {name}: skipped ({r['skipped']})\n")
             continue
         batch = " against `--max-batch 1`" if r.get("max_batch") == 1 else ""
+        if r.get("lanes"):
+            batch = ", generators holding their sessions as lanes of one `ConverseMany` stream"
         held = f(r.get("capacity"), "d") if r.get("capacity") else "none"
         note = ""
         if r.get("stopped_by_budget"):
@@ -456,6 +582,31 @@ def _capacity_md(add: Any, cap: dict[str, Any] | None, plots: dict[str, str]) ->
         "**Batching gain** (capacity with batching over `--max-batch 1`, same append size): "
         f"{f(gain, '.2f')}x.\n"
     )
+    floor = cap.get("floor")
+    if floor and "skipped" not in floor:
+        echo = floor["echo"]
+        add(
+            f"**Against the transport's floor** ({floor['append_ms']} ms appends, one stream per session): "
+            "every append costs the session service at least one gRPC read and one write; a bare grpc.aio "
+            f"echo (`benchmarks/grpc_echo.py`, {echo['streams']} streams, one message each way per append) "
+            f"spent {echo['cpu_us_per_pair']:.0f} µs per message pair ({echo['user_us']:.0f} user, "
+            f"{echo['kernel_us']:.0f} kernel), so one core could hold at most "
+            f"{floor['floor_sessions']:.0f} sessions at that cost alone; the capacity found, "
+            f"{f(floor['capacity'], 'd') if floor['capacity'] else 'none'}, is "
+            f"**{f(floor['capacity_fraction_of_floor'], '.2f')}** of it.\n"
+        )
+    elif floor:
+        add(f"Transport floor not measured: {floor['skipped']}.\n")
+    s64 = _step_at(_get(cap, "ramps", "20ms"), 64)
+    if s64 is not None:
+        add(
+            "**End of speech → first reply audio at 64 sessions** (20 ms appends; from the server's "
+            f"`committed` to the first audio frame): p50 {f(s64['first_audio_ms']['p50'], '.0f')} ms, "
+            f"p99 **{f(s64['first_audio_ms']['p99'], '.0f')} ms** over {s64['first_audio_ms'].get('n', '—')} "
+            "turns"
+            + ("." if s64["pass"] else " (that step did **not** hold: " + "; ".join(s64["why"]) + ").")
+            + "\n"
+        )
     if "capacity" in plots:
         add(f"![capacity]({plots['capacity']})\n")
     prof = cap.get("profile")
@@ -551,7 +702,23 @@ def _tiers_md(
             "—",
         ],
         ["load generator (client)", f(us.get("generator"), ".0f"), "—"],
+        [
+            "worker overhead: the worker minus the model's whole share",
+            f(_overhead(t), ".0f"),
+            f(_overhead(t) / whole if _overhead(t) is not None and whole else None, ".1f") + "x",
+        ],
     ]
+    add(
+        f"The worker's mean batch is {t['mean_batch']:.1f} of the {t['sessions']} sessions with input "
+        f"(every session streams continuously): **{t['mean_batch'] / t['sessions']:.2f}**"
+        + (
+            f"; it made {t['steps_in_window']:,.0f} steps in the window, "
+            f"{t['steps_in_window'] / t['window_s']:.1f} a second against {1000 / FRAME_MS:.2f} frame ticks."
+            if t.get("steps_in_window") and t.get("window_s")
+            else "."
+        )
+        + "\n"
+    )
     add(_table(["process", "CPU µs per session-frame", "over the model's whole share"], rows))
     add("")
     detail = t.get("cpu_detail_per_frame") or {}
@@ -606,7 +773,11 @@ def _tiers_md(
             + ("" if si["held_real_time"] else "; it did **not** hold real time: " + "; ".join(si["why"]))
             + ":\n"
         )
-        header = ["", "worker steps as input comes (default)", f"at most every {si['step_interval_ms']:g} ms"]
+        header = [
+            "",
+            "worker on the frame clock (default)",
+            f"free clock, at most every {si['step_interval_ms']:g} ms",
+        ]
         add(_table(header, _compared_rows(t, si)))
         add("")
     ln = t.get("lanes_compared")
@@ -627,10 +798,208 @@ def _tiers_md(
             f(lu.get("session") / base if lu.get("session") and base else None, ".2f") + "x",
         ]
         header = ["", "one Converse stream per session", f"lanes, sent every {ln['flush_ms']:g} ms"]
-        add(_table(header, [*_compared_rows(t, ln, generator=True), over_base]))
+        n = t["sessions"]
+        share = [
+            [
+                "worker's mean batch / sessions with input",
+                f(t["mean_batch"] / n, ".2f"),
+                f(ln["mean_batch"] / n, ".2f"),
+            ],
+            [
+                "the model's whole share at that batch, µs",
+                f(t["model_at_mean_batch"]["cpu_us_per_frame"] + (reply or 0.0), ".0f"),
+                f(ln.get("model_whole_us_per_frame"), ".0f"),
+            ],
+            ["worker overhead µs per session-frame", f(_overhead(t), ".0f"), f(_overhead(ln), ".0f")],
+        ]
+        add(_table(header, [*_compared_rows(t, ln, generator=True), *share, over_base]))
         add("")
     if "tiers" in plots:
         add(f"![tiers]({plots['tiers']})\n")
+
+
+def _ceiling_md(add: Any, null: dict[str, Any] | None, parrot: dict[str, Any] | None) -> None:
+    add("## The worker's ceiling: real-time sessions per worker process\n")
+    if not null and not parrot:
+        add("Not measured.\n")
+        return
+    first = null or parrot
+    assert first is not None
+    add(
+        "`benchmarks/worker_ceiling.py`: one `duplex worker` process driven directly on its `Run` stream "
+        "(no session service): every 32 ms one `WorkerCommand` with one APPEND per session, its bytes "
+        "built once and replayed, so the driver costs little. A step of N sessions is **real time** "
+        f"when the worker acknowledged ≥ {100 * first['min_consumed_fraction']:.0f} % of the frames "
+        f"offered in the window and no session lagged more than {first['max_lag_frames']:g} frame "
+        "periods. The ceiling is the largest N real time before the first N that was not (then "
+        "bisected; with no step behind it is the largest N measured, marked ≥). "
+        f"Windows of {first['seconds']:g} s after {first['warmup_s']:g} s; worker CPU from /proc "
+        "(10 ms ticks: coarse over short windows).\n"
+    )
+    summary = []
+    for label, r in (("near-zero (`null`)", null), ("parrot", parrot)):
+        if not r:
+            summary.append([label, "—", "—", "—", "—", "—"])
+            continue
+        per = r.get("us_per_session_frame", {})
+        summary.append(
+            [
+                label,
+                ("≥ " if not r.get("first_behind_sessions") else "") + f"**{f(r['ceiling_sessions'], 'd')}**",
+                f(r.get("first_behind_sessions"), "d") if r.get("first_behind_sessions") else "none",
+                *(f(per.get(k), ".1f") for k in ("64", "256", "1024")),
+            ]
+        )
+    add(
+        _table(
+            ["model", "ceiling (sessions)", "first N behind", "µs/session-frame N=64", "N=256", "N=1,024"],
+            summary,
+        )
+    )
+    add("")
+    for label, r in (("null", null), ("parrot", parrot)):
+        if not r:
+            continue
+        rows = [
+            [
+                f(row["sessions"], "d"),
+                "yes" if row["real_time"] else "**no**",
+                f(row.get("us_per_session_frame"), ".1f"),
+                f(row.get("worker_cpu_pct"), ".0f"),
+                f(row.get("mean_batch"), ".0f"),
+                f(row.get("mean_step_ms"), ".2f"),
+                f(_get(row, "tick_ack_ms", "p99"), ".0f"),
+                f(row.get("lag_frames_max"), ".1f"),
+                f(100 * row["consumed_fraction"], ".1f"),
+                f(row.get("other_cpu_pct"), ".0f"),
+                f(_get(row, "driver", "us_per_session_frame"), ".1f"),
+            ]
+            for row in r.get("rows", [])
+        ]
+        add(f"{label}:\n")
+        add(
+            _table(
+                [
+                    "N",
+                    "real time",
+                    "worker µs/session-frame",
+                    "worker CPU %",
+                    "mean batch",
+                    "mean step ms",
+                    "tick ack p99 ms",
+                    "lag max (frames)",
+                    "acked %",
+                    "other CPU %",
+                    "driver µs/session-frame",
+                ],
+                rows,
+            )
+        )
+        add("")
+
+
+def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
+    """For each missed target of the frame clock's issue, what this run's data shows bounds it
+    (nothing is said where the data does not show it)."""
+    missed = {t["key"] for t in latest.get("targets", []) if t["met"] is False}
+    sec = latest.get("sections", {})
+    lines: list[str] = []
+    tiers = sec.get("tiers")
+    for mode, key in (
+        ("streams", "mean_batch_fraction_64_streams"),
+        ("lanes", "mean_batch_fraction_64_lanes"),
+    ):
+        if key not in missed or not tiers:
+            continue
+        row = tiers if mode == "streams" else tiers.get("lanes_compared") or {}
+        held = row.get("held_real_time")
+        lines.append(
+            f"- mean batch ({mode}): {f(row.get('mean_batch'), '.1f')} of {tiers['sessions']} sessions"
+            + ("" if held is not False else "; the load did not hold real time: " + "; ".join(row["why"]))
+            + (
+                f"; {tiers['steps_in_window'] / tiers['window_s']:.1f} steps a second against "
+                f"{1000 / FRAME_MS:.2f} ticks (steps beyond one per tick are catch-up steps)"
+                if mode == "streams" and tiers.get("steps_in_window") and tiers.get("window_s")
+                else ""
+            )
+            + "."
+        )
+    for mode, key in (
+        ("streams", "worker_overhead_us_per_frame_streams"),
+        ("lanes", "worker_overhead_us_per_frame_lanes"),
+    ):
+        if key not in missed or not tiers:
+            continue
+        d = _get(tiers, "cpu_detail_per_frame", "worker")
+        batch = _get(tiers, "mean_batch") if mode == "streams" else latest.get("lanes_mean_batch")
+        lines.append(
+            f"- worker overhead ({mode}): {f(latest.get(key), '.0f')} µs per session-frame at a mean batch "
+            f"of {f(batch, '.1f')}"
+            + (
+                f"; the worker's CPU (streams window) is {d['user_us']:.0f} µs in user space (Python, gRPC, "
+                f"protobuf) and {d['kernel_us']:.0f} µs in the kernel, {d['switches']:.1f} context switches "
+                "per session-frame"
+                if d and mode == "streams"
+                else ""
+            )
+            + "; the worker ceiling's null model (no session service, commands replayed) costs "
+            f"{f(latest.get('worker_ceiling_us_per_frame_64'), '.1f')} µs per session-frame at 64 sessions."
+        )
+    null = sec.get("worker_ceiling")
+    if "worker_ceiling_sessions" in missed and null:
+        miss = next(
+            (r for r in null.get("rows", []) if r["sessions"] == null.get("first_behind_sessions")), None
+        )
+        if miss is not None:
+            cpu, us = f(miss.get("worker_cpu_pct"), ".0f"), f(miss.get("us_per_session_frame"), ".1f")
+            ack, lag = f(_get(miss, "tick_ack_ms", "p99"), ".0f"), f(miss.get("lag_frames_max"), ".1f")
+            lines.append(
+                f"- worker ceiling: first behind at {miss['sessions']} sessions with the worker at "
+                f"{cpu} % of a core ({us} µs per session-frame, mean step "
+                f"{f(miss.get('mean_step_ms'), '.2f')} ms), tick ack p99 {ack} ms, lag up to {lag} "
+                f"frames, {100 * miss['consumed_fraction']:.1f} % acknowledged; the rest of the machine used "
+                f"{f(miss.get('other_cpu_pct'), '.0f')} % of a core"
+                + (
+                    " (the worker's CPU was not the limit: its ticks' acks came late)"
+                    if (miss.get("worker_cpu_pct") or 100) < 80
+                    else ""
+                )
+                + "."
+            )
+    ramps = _get(sec, "capacity", "ramps") or {}
+    for key, name in (
+        ("capacity_sessions_lanes_20ms", "20ms_lanes"),
+        ("capacity_fraction_of_floor_streams_20ms", "20ms"),
+    ):
+        r = ramps.get(name)
+        if key not in missed or not r or not r.get("steps"):
+            continue
+        fails = [s for s in r["steps"] if not s["pass"]]
+        if not fails:
+            continue
+        lines.append(
+            f"- {'lanes capacity' if name.endswith('lanes') else 'capacity over the floor'}: "
+            f"{f(r.get('capacity'), 'd') if r.get('capacity') else 'none'} held; "
+            + "; ".join(
+                f"at {s['sessions']}: "
+                + ", ".join(s["why"])
+                + " (CPU % session / worker / generators / other: "
+                + " / ".join(
+                    f(_get(s, "cpu_pct", k), ".0f") for k in ("session", "worker", "generator", "other")
+                )
+                + ")"
+                for s in fails
+            )
+            + (
+                f"; the floor allows {latest['capacity_floor_sessions_20ms']:.0f} per core"
+                if name == "20ms" and latest.get("capacity_floor_sessions_20ms")
+                else ""
+            )
+            + "."
+        )
+    if lines:
+        add("What this run's data shows bounds the missed targets of the frame clock:\n")
+        add("\n".join(lines) + "\n")
 
 
 def _against_md(add: Any, a: dict[str, Any] | None) -> None:

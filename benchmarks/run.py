@@ -8,20 +8,25 @@ the next), printed as they finish, each writing its figures as JSON under ``--ou
 3. ``hop_latency``: session -> worker -> session, an APPEND to its consumption report, at 1, 16,
    64 and 256 sessions against a real worker process;
 4. ``e2e_bench``: the whole serving path (real processes) as a fraction of the model alone;
-5. ``tiers``: CPU per session-frame of the session service and the worker under a fixed load,
-   beside the model's own; the same load against a worker with ``--step-interval-ms 8``, and from
-   clients holding their sessions as lanes of one ``ConverseMany`` stream;
+5. ``tiers``: CPU per session-frame of the session service and the worker under a fixed load of
+   64 sessions, beside the model's own (the worker's overhead over it, the mean batch over the
+   sessions), and the same from clients holding their sessions as lanes of one ``ConverseMany``
+   stream;
 6. ``against_baseline``: the session tier against the baseline's own code (the commit
    ``baseline.json`` was recorded at), both measured now on this machine, in turn;
-7. ``capacity``: the most real-time parrot conversations one session service and one worker hold
-   (20 and 40 ms appends), the same against ``--max-batch 1`` (batching gain), and a profile of
-   the session service at capacity.
+7. ``worker_ceiling``: one worker's ``Run`` stream driven directly (commands built once), with the
+   near-zero ``null`` model and with the parrot: the most real-time sessions per worker process and
+   its CPU per session-frame at 64, 256 and 1,024 sessions;
+8. ``capacity``: the most real-time parrot conversations one session service and one worker hold
+   (20 and 40 ms appends; 20 ms from generators on lanes too), the same against ``--max-batch 1``
+   (batching gain), the transport's floor at 20 ms appends (a bare gRPC echo) and a profile of the
+   session service at capacity.
 
 Then ``benchmarks.report`` writes ``BENCHMARKS.md``, ``benchmarks/latest.json`` and the plots
 (for ``--device cuda``: under ``benchmarks/gpu/``), comparing with the committed baseline.
 
 A section that stalls, fails or measures nothing makes the run exit non-zero, with the reason;
-its figures are then missing from the report, never zeros. About 8-9 minutes on a 2-core machine.
+its figures are then missing from the report, never zeros. About 10 minutes on a 2-core machine.
 ``--quick`` is a short smoke run for developing the harness (its figures are not a record).
 """
 
@@ -49,6 +54,12 @@ def _children_cpu() -> float:
 REPORT_RESERVE_S = 20.0
 MIN_SECTION_S = 20.0
 
+#: The worker ceiling's ramps (the null model's, the parrot's) and the lanes' capacity ramp: coarse,
+#: so that the whole run stays near 10 minutes on a 2-core machine.
+CEILING_STEPS = "64,256,512,1024,1536,2048"
+CEILING_PARROT_STEPS = "64,256,512"
+LANES_STEPS = "96,160,192,256"
+
 Section = tuple[str, str, list[str], int]
 """(module, title, argv after ``python -m benchmarks.MODULE``, timeout in seconds)."""
 
@@ -61,6 +72,8 @@ def sections(
     model_batches: str = "",
     capacity_steps: str = "",
     capacity_seconds: float = 0.0,
+    ceiling_steps: str = "",
+    ceiling_parrot_steps: str = "",
 ) -> list[Section]:
     """Every section with its arguments; ``device`` and ``torch_threads`` go to every section that
     runs a model or starts a worker."""
@@ -68,6 +81,14 @@ def sections(
     model = ["--batches", model_batches] if model_batches else []
     cap = [*(["--steps", capacity_steps] if capacity_steps else [])]
     cap += ["--seconds", f"{capacity_seconds:g}"] if capacity_seconds else []
+    ceiling = [
+        "--model",
+        "null,parrot",
+        "--steps",
+        ceiling_steps or CEILING_STEPS,
+        "--steps-parrot",
+        ceiling_parrot_steps or CEILING_PARROT_STEPS,
+    ]
     if quick:
         return [
             (
@@ -84,12 +105,37 @@ def sections(
                 [*dev, "--batches", "1,64", "--seconds", "1"],
                 240,
             ),
-            ("tiers", "CPU per frame per tier", [*dev, "--sessions", "16", "--seconds", "3"], 120),
+            (
+                "tiers",
+                "CPU per frame per tier",
+                [*dev, "--sessions", "16", "--seconds", "3", "--compare-lanes"],
+                120,
+            ),
             (
                 "against_baseline",
                 "against the baseline's commit",
                 [*dev, "--sessions", "16", "--rounds", "1", "--seconds", "3"],
                 240,
+            ),
+            (
+                "worker_ceiling",
+                "the worker's ceiling",
+                [
+                    *dev,
+                    "--model",
+                    "null,parrot",
+                    "--steps",
+                    "64,256",
+                    "--steps-parrot",
+                    "64",
+                    "--seconds",
+                    "1",
+                    "--warmup",
+                    "0.5",
+                    "--refine",
+                    "0",
+                ],
+                120,
             ),
             (
                 "capacity",
@@ -106,8 +152,16 @@ def sections(
                     "3",
                     "--profile-s",
                     "3",
+                    "--lanes-append-ms",
+                    "20",
+                    "--lanes-steps",
+                    "16",
+                    "--floor-append-ms",
+                    "20",
+                    "--floor-seconds",
+                    "2",
                 ],
-                400,
+                500,
             ),
         ]
     return [
@@ -133,8 +187,8 @@ def sections(
         (
             "tiers",
             "CPU per session-frame per tier",
-            [*dev, "--sessions", "32", "--compare-step-interval-ms", "8", "--compare-lanes"],
-            180,
+            [*dev, "--sessions", "64", "--compare-lanes"],
+            240,
         ),
         (
             "against_baseline",
@@ -142,7 +196,27 @@ def sections(
             [*dev, "--rounds", "2", "--seconds", "6"],
             600,
         ),
-        ("capacity", "capacity: real-time parrot conversations", [*dev, *cap], 600),
+        (
+            "worker_ceiling",
+            "the worker's ceiling: real-time sessions per worker process (null model, parrot)",
+            [*dev, *ceiling, "--seconds", "2", "--warmup", "1", "--refine", "1"],
+            300,
+        ),
+        (
+            "capacity",
+            "capacity: real-time parrot conversations",
+            [
+                *dev,
+                *cap,
+                "--lanes-append-ms",
+                "20",
+                "--lanes-steps",
+                LANES_STEPS,
+                "--floor-append-ms",
+                "20",
+            ],
+            800,
+        ),
     ]
 
 
@@ -178,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-steps", default="", help="capacity: the ramp's session counts")
     p.add_argument("--capacity-seconds", type=float, default=0.0, help="capacity: each step's window")
     p.add_argument(
+        "--ceiling-steps", default="", help=f"worker_ceiling: the null model's ramp (default {CEILING_STEPS})"
+    )
+    p.add_argument(
+        "--ceiling-parrot-steps",
+        default="",
+        help=f"worker_ceiling: the parrot's ramp (default {CEILING_PARROT_STEPS})",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=0.0,
@@ -207,12 +289,16 @@ def main(argv: list[str] | None = None) -> int:
         model_batches=args.model_batches,
         capacity_steps=args.capacity_steps,
         capacity_seconds=args.capacity_seconds,
+        ceiling_steps=args.ceiling_steps,
+        ceiling_parrot_steps=args.ceiling_parrot_steps,
     )
     for module, title, cmd, timeout in plan:
         if only and module not in only:
             continue
         result = out / f"{module}.json"
         result.unlink(missing_ok=True)
+        for extra in out.glob(f"{module}_*.json"):  # a section's further files (worker_ceiling_parrot)
+            extra.unlink()
         print(f"\n=== {title} ===", flush=True)
         t0 = time.monotonic()
         if args.budget_s:

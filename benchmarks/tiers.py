@@ -26,6 +26,11 @@ due events together every ``--flush-ms`` (8 ms: an append waits up to that long,
 latency counts from its deadline); ``--lanes`` runs the main window that way.
 The ratios (session / model, worker / model, session / echo) are what carries over to other
 machines. Each tier's CPU is also split into user space, kernel and context switches.
+**Worker overhead**: the worker's CPU per session-frame minus the model's whole share (its step at
+the window's mean batch and its reply synthesis), for the main window and the lanes window (each
+at its own mean batch); **mean batch fraction**: the mean batch over the sessions with input (all
+of them: every session streams continuously). ``--compare-step-interval-ms T`` runs the load
+against a worker on the free-running clock (``--clock free --step-interval-ms T``).
 """
 
 from __future__ import annotations
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-step-interval-ms",
         type=float,
         default=0.0,
-        help="also run the load against a worker with this --step-interval-ms (a stack of its own; 0 = skip)",
+        help="also run the load against a worker on the free clock with this --step-interval-ms "
+        "(a stack of its own; 0 = skip)",
     )
     args = p.parse_args(argv)
     print(
@@ -141,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 device=args.device,
                 torch_threads=args.torch_threads,
                 session_args=args.session_args.split(),
-                worker_args=[*args.worker_args.split(), "--step-interval-ms", f"{t:g}"],
+                # The step interval applies to the free-running clock only.
+                worker_args=[*args.worker_args.split(), "--clock", "free", "--step-interval-ms", f"{t:g}"],
             ) as st:
                 ri, bi = load_window(st, spec)
             interval = {"step_interval_ms": t, **compared_row(f"--step-interval-ms {t:g}", ri, bi, spec)}
@@ -166,6 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             # The model's other share: each reply computed once per turn on its helper threads
             # (the load commits every `cycle` frames, so that is the utterance replied to).
             synthesis = loop.reply_synthesis(spec.cycle, seconds=0.5)
+            # The compared windows' model share at their own mean batch (the same measurement
+            # where the batch is the same).
+            measured = {b: model_at_mean, args.sessions: model_at_n}
+            for other in (lanes, interval):
+                if other is not None:
+                    ob = max(1, round(other["mean_batch"]))
+                    if ob not in measured:
+                        measured[ob] = loop.measure(ob, seconds=1.0)
+                    add_model_share(other, measured[ob], synthesis, args.sessions)
         # The transport's floor beside the model's: a bare grpc.aio echo at the client side's
         # message rate (one message in and one out per session-frame), after the stack stopped.
         echo = grpc_echo.measure(args.sessions, args.append_ms, seconds=min(5.0, args.seconds))
@@ -188,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_at_n": model_at_n,
         "reply_synthesis": synthesis,
         "model_reply_us_per_frame": synthesis["cpu_us_per_reply_frame"] * m["reply_frames"] / frames,
+        "mean_batch_fraction": mean_batch / args.sessions,
         "grpc_echo": echo,
         "held_real_time": not why,
         "why": why,
@@ -198,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     model_us = model_at_mean["cpu_us_per_frame"]
     reply_us = result["model_reply_us_per_frame"]
+    result["model_whole_us_per_frame"] = model_us + reply_us
+    result["worker_overhead_us_per_frame"] = overhead(us["worker"], model_us + reply_us)
     print(
         f"  {frames:,.0f} session-frames in {m['window_s']:g} s ({frames / m['window_s']:,.0f}/s), "
         f"{result['reply_per_input']:.2f} reply frames per input frame, mean batch {mean_batch:.1f} "
@@ -239,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
             "whole share, reply synthesis included)"
         )
     print(
+        f"  mean batch {mean_batch:.1f} of {args.sessions} sessions with input "
+        f"({result['mean_batch_fraction']:.2f}); worker overhead (worker minus the model's whole share) "
+        f"{fmt(result['worker_overhead_us_per_frame'], '.0f')} µs per session-frame"
+    )
+    print(
         "  the load "
         + ("held real time" if not why else "did NOT hold real time: " + "; ".join(why))
         + f" (ack p99 {fmt(row['ack_ms']['p99'])} ms)",
@@ -256,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         iu = interval["cpu_us_per_frame"]
         held = interval["held_real_time"]
         print(
-            f"  the same load against a worker stepping at most every {interval['step_interval_ms']:g} ms: "
+            f"  the same load against a worker on the free clock, stepping at most every "
+            f"{interval['step_interval_ms']:g} ms: "
             f"mean batch {interval['mean_batch']:.1f}, session service {fmt(iu['session'], '.0f')}, "
             f"worker {fmt(iu['worker'], '.0f')} µs per session-frame, "
             f"ack p99 {fmt(interval['ack_p99_ms'])} ms"
@@ -270,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             f"sending every {lanes['flush_ms']:g} ms: mean batch {lanes['mean_batch']:.1f}, session service "
             f"{fmt(lu['session'], '.0f')}, worker {fmt(lu['worker'], '.0f')}, load generator "
             f"{fmt(lu['generator'], '.0f')} µs per session-frame, ack p99 {fmt(lanes['ack_p99_ms'])} ms "
-            "(from each append's deadline)"
+            "(from each append's deadline); the model's whole share at its batch "
+            f"{lanes['model_whole_us_per_frame']:.0f} µs, worker overhead "
+            f"{fmt(lanes['worker_overhead_us_per_frame'], '.0f')} µs per session-frame"
             + (
                 ""
                 if lanes["held_real_time"]
@@ -356,12 +383,35 @@ def compared_row(
     why = judge(r.merged, _criteria(spec), turns=False)
     return {
         "frames": frames,
+        "reply_per_input": r.merged["reply_frames"] / frames,
         "mean_batch": _mean_batch(batches)[0],
         "cpu_us_per_frame": _per_frame(r.cpu_s, frames),
         "ack_p99_ms": step_row(r, why)["ack_ms"]["p99"],
         "held_real_time": not why,
         "why": why,
     }
+
+
+def overhead(worker_us: float | None, model_whole_us: float) -> float | None:
+    """The worker's serving overhead per session-frame: its CPU minus the model's whole share
+    (its step at the same batch and its reply synthesis)."""
+    return None if worker_us is None else worker_us - model_whole_us
+
+
+def add_model_share(
+    row: dict[str, Any], model: dict[str, Any], synthesis: dict[str, Any], sessions: int
+) -> None:
+    """A compared window's model share at its own mean batch, its worker overhead and its mean
+    batch over the sessions with input (every session of the load streams continuously)."""
+    reply = synthesis["cpu_us_per_reply_frame"] * row["reply_per_input"]
+    whole = model["cpu_us_per_frame"] + reply
+    row.update(
+        model_at_mean_batch=model,
+        model_reply_us_per_frame=reply,
+        model_whole_us_per_frame=whole,
+        worker_overhead_us_per_frame=overhead(row["cpu_us_per_frame"].get("worker"), whole),
+        mean_batch_fraction=row["mean_batch"] / sessions,
+    )
 
 
 def per_frame_detail(

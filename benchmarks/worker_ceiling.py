@@ -2,7 +2,8 @@
 session-frame, with a model whose compute is near zero (``null``) or with the parrot.
 
     python -m benchmarks.worker_ceiling [--model null|parrot|null,parrot] [--steps 64,128,...]
-        [--seconds 3] [--warmup 1] [--refine 2] [--out build/bench] [--worker-args "..."]
+        [--steps-parrot 64,256,...] [--seconds 3] [--warmup 1] [--refine 2] [--out build/bench]
+        [--json PATH] [--worker-args "..."]
 
 One real ``duplex worker`` process (``benchmarks._services.lone_worker``) and, in this process, a
 driver that does what a session tier's worker link would do at its cheapest. For each session
@@ -507,17 +508,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--step-interval-ms 8'")
+    p.add_argument("--steps-parrot", default="", help="the parrot's ramp (default: --steps)")
     p.add_argument("--out", default="build/bench", help="a directory (or a .json path) for the result")
+    p.add_argument(
+        "--json",
+        default="",
+        help="a .json path for the result (overrides --out; the parrot's goes beside it as STEM_parrot.json)",
+    )
     args = p.parse_args(argv)
+    if args.json:
+        args.out = args.json
     steps = ints(args.steps)
-    if not steps or min(steps) < 1:
+    parrot_steps = ints(args.steps_parrot) if args.steps_parrot else steps
+    if not steps or min(steps) < 1 or not parrot_steps or min(parrot_steps) < 1:
         return fail("--steps needs positive session counts")
     summaries = []
     for model in [m.strip() for m in args.model.split(",") if m.strip()]:
         try:
             result = ramp(
                 model,
-                steps,
+                parrot_steps if model == "parrot" else steps,
                 device=args.device,
                 torch_threads=args.torch_threads,
                 seconds=args.seconds,

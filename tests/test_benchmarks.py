@@ -338,10 +338,69 @@ def _sections():
     }
     failing = {**step, "sessions": 24, "pass": False, "why": ["ack p99 40.0 ms >= 32 ms"]}
     ramp = {"append_ms": 20, "max_batch": None, "capacity": 16, "steps": [step, failing], "at_capacity": step}
+    lanes_fail = {
+        **step,
+        "sessions": 128,
+        "pass": False,
+        "why": ["ack p99 35.0 ms >= 32 ms"],
+        "cpu_pct": {"session": 70.0, "worker": 60.0, "generator": 40.0, "other": 5.0},
+    }
+    ceiling_row = {
+        "sessions": 256,
+        "real_time": True,
+        "us_per_session_frame": 18.0,
+        "worker_cpu_pct": 14.5,
+        "mean_batch": 256.0,
+        "mean_step_ms": 0.44,
+        "tick_ack_ms": {"n": 93, "p50": 5.5, "p90": 6.5, "p99": 7.9, "max": 7.9},
+        "lag_frames_max": 0.0,
+        "consumed_fraction": 1.0,
+        "other_cpu_pct": 0.0,
+        "driver": {"us_per_session_frame": 2.9},
+    }
+    behind = {
+        **ceiling_row,
+        "sessions": 320,
+        "real_time": False,
+        "us_per_session_frame": 24.8,
+        "worker_cpu_pct": 24.5,
+        "tick_ack_ms": {"n": 93, "p50": 7.7, "p90": 60.0, "p99": 156.9, "max": 156.9},
+        "lag_frames_max": 4.0,
+        "consumed_fraction": 0.9893,
+        "other_cpu_pct": 81.0,
+    }
+    ceiling = {
+        "model": "null",
+        "seconds": 2.0,
+        "warmup_s": 1.0,
+        "max_lag_frames": 3.0,
+        "min_consumed_fraction": 0.95,
+        "ceiling_sessions": 256,
+        "first_behind_sessions": 320,
+        "us_per_session_frame": {"64": 28.5, "256": 18.0, "1024": 22.8},
+        "rows": [{**ceiling_row, "sessions": 64, "us_per_session_frame": 28.5}, ceiling_row, behind],
+    }
     return {
+        "worker_ceiling": ceiling,
+        "worker_ceiling_parrot": {
+            **ceiling,
+            "model": "parrot",
+            "ceiling_sessions": 512,
+            "first_behind_sessions": None,
+            "us_per_session_frame": {"64": 82.0, "256": 47.0},
+            "rows": [{**ceiling_row, "sessions": 64, "us_per_session_frame": 82.0}],
+        },
         "capacity": {
+            "floor": {
+                "append_ms": 20,
+                "echo": {"streams": 16, "cpu_us_per_pair": 200.0, "user_us": 90.0, "kernel_us": 110.0},
+                "floor_sessions": 100.0,
+                "capacity": 16,
+                "capacity_fraction_of_floor": 0.16,
+            },
             "ramps": {
                 "20ms": ramp,
+                "20ms_lanes": {**ramp, "lanes": True, "capacity": 96, "steps": [step, lanes_fail]},
                 "40ms": {**ramp, "append_ms": 40, "capacity": 24},
                 "40ms_batch1": {**ramp, "append_ms": 40, "max_batch": 1, "capacity": 8},
             },
@@ -356,12 +415,13 @@ def _sections():
             },
         },
         "tiers": {
-            "sessions": 32,
+            "sessions": 64,
             "append_ms": 32,
             "window_s": 8.0,
             "frames": 8000.0,
             "reply_per_input": 0.95,
             "mean_batch": 1.2,
+            "steps_in_window": 500.0,
             "cpu_us_per_frame": {"session": 700.0, "worker": 1000.0, "generator": 400.0},
             "cpu_detail_per_frame": {
                 "session": {"user_us": 500.0, "kernel_us": 200.0, "switches": 11.25},
@@ -400,7 +460,11 @@ def _sections():
             "lanes_compared": {
                 "flush_ms": 8.0,
                 "frames": 8000.0,
-                "mean_batch": 7.9,
+                "mean_batch": 60.8,
+                "model_at_mean_batch": {"batch": 61, "cpu_us_per_frame": 50.0},
+                "model_reply_us_per_frame": 25.0,
+                "model_whole_us_per_frame": 75.0,
+                "worker_overhead_us_per_frame": 625.0,
                 "cpu_us_per_frame": {"session": 280.0, "worker": 700.0, "generator": 90.0},
                 "ack_p99_ms": 15.5,
                 "held_real_time": True,
@@ -518,7 +582,75 @@ def test_headline_figures_and_targets():
         # Against the baseline's code measured in the same minutes: the target is half.
         "session_over_baseline_now": False,
         "lanes_over_baseline_now": True,
+        # The frame clock's targets.
+        "capacity_sessions_lanes_20ms": False,
+        "capacity_fraction_of_floor_streams_20ms": False,
+        "mean_batch_fraction_64_streams": False,
+        "mean_batch_fraction_64_lanes": True,
+        "worker_overhead_us_per_frame_streams": False,
+        "worker_overhead_us_per_frame_lanes": False,
+        "worker_ceiling_sessions": False,
     }
+
+
+def test_frame_clock_figures_mean_batch_overhead_ceiling_capacity_floor():
+    h = report.headline(_sections())
+    # The mean batch over the sessions with input (all 64 stream), in both client modes.
+    assert h["mean_batch_fraction_64_streams"] == pytest.approx(1.2 / 64)
+    assert h["mean_batch_fraction_64_lanes"] == pytest.approx(60.8 / 64)
+    # Worker overhead: the worker's CPU minus the model's whole share at its batch (step + replies),
+    # computed from the parts where the window has no figure of its own.
+    assert h["worker_overhead_us_per_frame_streams"] == pytest.approx(1000.0 - 400.0 - 100.0)
+    assert h["worker_overhead_us_per_frame_lanes"] == 625.0
+    assert h["model_whole_us_per_frame_lanes"] == 75.0
+    assert h["worker_ceiling_sessions"] == 256 and h["worker_ceiling_first_behind"] == 320
+    assert h["worker_ceiling_is_lower_bound"] is False
+    assert h["worker_ceiling_us_per_frame_64"] == 28.5 and h["worker_ceiling_us_per_frame_1024"] == 22.8
+    assert h["worker_ceiling_sessions_parrot"] == 512 and h["worker_ceiling_parrot_us_per_frame_64"] == 82.0
+    assert h["worker_ceiling_parrot_us_per_frame_512"] is None  # not in the parrot's ramp: no figure
+    assert h["capacity_sessions_lanes_20ms"] == 96 and h["capacity_lanes_is_lower_bound"] is False
+    assert h["capacity_fraction_of_floor_streams_20ms"] == 0.16 and h["capacity_floor_sessions_20ms"] == 100.0
+    # No step at 64 sessions in the 20 ms ramp: no first-audio figure at 64.
+    assert h["first_audio_p99_ms_64"] is None and h["first_audio_64_held"] is None
+
+
+def test_first_audio_at_64_is_the_last_attempt_at_64_in_the_20ms_ramp():
+    sections = _sections()
+    ramp = sections["capacity"]["ramps"]["20ms"]
+    first = {**ramp["steps"][0], "sessions": 64, "pass": False, "first_audio_ms": {"p50": 90.0, "p99": 300.0}}
+    again = {**first, "pass": True, "attempt": 2, "first_audio_ms": {"p50": 80.0, "p99": 120.0}}
+    ramp["steps"] = [*ramp["steps"], first, again]
+    h = report.headline(sections)
+    assert h["first_audio_p99_ms_64"] == 120.0 and h["first_audio_64_held"] is True
+
+
+def test_ramp_halves_no_lower_than_its_smallest():
+    tried: list[int] = []
+
+    def run_step(n: int) -> dict:
+        tried.append(n)
+        return {"sessions": n, "pass": False}
+
+    cap, _rows, stopped = capacity.ramp([64, 128], run_step, confirm=False, smallest=16)
+    assert cap is None and not stopped and tried == [64, 32, 16]
+
+
+def test_floor_sessions_are_one_core_over_the_echo_per_append():
+    # 200 µs per message pair, 50 appends a second per session: 10 ms of a core per session.
+    assert capacity.floor_sessions(200.0, 20) == pytest.approx(100.0)
+    assert capacity.floor_sessions(200.0, 40) == pytest.approx(200.0)
+    with pytest.raises(_sys.NoMeasurement):
+        capacity.floor_sessions(0.0, 20)
+
+
+def test_tiers_model_share_and_overhead_of_a_compared_window():
+    row = {"mean_batch": 48.0, "reply_per_input": 0.5, "cpu_us_per_frame": {"worker": 300.0}}
+    tiers.add_model_share(row, {"batch": 48, "cpu_us_per_frame": 40.0}, {"cpu_us_per_reply_frame": 60.0}, 64)
+    assert row["model_reply_us_per_frame"] == pytest.approx(30.0)
+    assert row["model_whole_us_per_frame"] == pytest.approx(70.0)
+    assert row["worker_overhead_us_per_frame"] == pytest.approx(230.0)
+    assert row["mean_batch_fraction"] == pytest.approx(0.75)
+    assert tiers.overhead(None, 70.0) is None  # no worker CPU, no figure
 
 
 def test_a_missing_section_is_none_never_zero():
@@ -535,6 +667,14 @@ def test_a_missing_section_is_none_never_zero():
         "e2e_ratio_synthetic_b64",
         "session_over_baseline_now",
         "lanes_over_baseline_now",
+        "mean_batch_fraction_64_streams",
+        "mean_batch_fraction_64_lanes",
+        "worker_overhead_us_per_frame_streams",
+        "worker_overhead_us_per_frame_lanes",
+        "worker_ceiling_sessions",
+        "capacity_sessions_lanes_20ms",
+        "capacity_fraction_of_floor_streams_20ms",
+        "first_audio_p99_ms_64",
     ):
         assert key in h and h[key] is None, key
     assert all(t["met"] is None for t in report.targets(h))
@@ -605,6 +745,20 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     assert "| 1 | baseline | 600 | 480 | 270 | 0.80x | 0.45x |" in md
     assert "| 2 | this tree | 650 | 500 | 300 | 0.77x | 0.46x |" in md
     assert "| median |  |  |  |  | 0.78x | 0.46x |" in md
+    # The frame clock's figures: overhead rows, the worker's ceiling, the lanes' capacity, the floor.
+    assert "| worker overhead: the worker minus the model's whole share | 500 | 1.0x |" in md
+    assert "| worker overhead µs per session-frame | 500 | 625 |" in md
+    assert "| worker's mean batch / sessions with input | 0.02 | 0.95 |" in md
+    assert "| near-zero (`null`) | **256** | 320 | 28.5 | 18.0 | 22.8 |" in md
+    assert "| parrot | ≥ **512** | none | 82.0 | 47.0 | — |" in md
+    assert "| 320 | **no** | 24.8 | 24 | 256 | 0.44 | 157 | 4.0 | 98.9 | 81 | 2.9 |" in md
+    assert "lanes of one `ConverseMany` stream: capacity **96**" in md
+    assert "one core could hold at most 100 sessions" in md and "**0.16** of it" in md
+    # What bounds a missed target, from the run's own data.
+    assert "- worker ceiling: first behind at 320 sessions with the worker at 24 % of a core" in md
+    assert "- lanes capacity: 96 held; at 128: ack p99 35.0 ms >= 32 ms (CPU % session" in md
+    assert "the floor allows 100 per core" in md
+    assert latest["worker_ceiling_sessions"] == 256 and latest["capacity_sessions_lanes_20ms"] == 96
     for png in ("capacity.png", "tiers.png", "hop.png", "e2e.png", "model_steps.png"):
         path = paths["plots"] / png
         assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 150_000
