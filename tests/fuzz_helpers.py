@@ -68,7 +68,10 @@ class HealthyTalker:
     early."""
 
     target: str
-    speedup: float = 8.0
+    speedup: float = 4.0
+    """How much faster than real time it sends. Within what a frame-clocked worker consumes
+    while it has time to catch up (up to 9x, less on a loaded machine): a reply is stepped by the
+    silence queued after its RESPOND, and a client far ahead of real time gets no silence fed."""
     turns: list[Turn] = field(default_factory=list)
     failure: BaseException | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
