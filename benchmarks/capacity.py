@@ -136,7 +136,14 @@ def run_ramp(
     """One stack, one ramp (and optionally the profiled step on the same stack); ``lanes``: the
     generators hold their sessions as lanes of one ConverseMany stream (also with ``--lanes``)."""
     lanes = lanes or args.lanes
-    with stack("parrot", device=args.device, torch_threads=args.torch_threads, max_batch=max_batch) as st:
+    with stack(
+        "parrot",
+        device=args.device,
+        torch_threads=args.torch_threads,
+        max_batch=max_batch,
+        worker_args=args.worker_args.split(),
+        session_args=args.session_args.split(),
+    ) as st:
         assert st.session is not None
         pids = {"session": st.session.pid, "worker": st.worker_children[0].pid}
 
@@ -293,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="the measurement window")
     p.add_argument("--tail", type=float, default=3.0, help="streaming after the window (replies finish)")
     p.add_argument("--generators", type=int, default=0, help="load generator processes (0 = auto)")
+    p.add_argument("--worker-args", default="", help="extra flags of the worker, e.g. '--clock free'")
+    p.add_argument("--session-args", default="", help="extra flags of the session service")
     p.add_argument(
         "--no-confirm",
         dest="confirm",

@@ -152,3 +152,28 @@ async def test_an_abort_does_not_wait_for_the_tick() -> None:
     assert [s.request_id for s in commands[0].submit] == ["s1", "s2", "s3"]
     assert [a.request_id for a in commands[0].abort] == ["s2"]
     assert written_at[0] - t0 < 0.15  # at once, well before the tick's write point
+
+
+async def test_a_control_submission_does_not_wait_for_the_tick() -> None:
+    """A RESPOND (or COMMIT, CLEAR) is written at once with what is pending: the worker applies
+    control work as it comes, and a reply starts sooner."""
+    link, call = _link(0.002), _Recorder()
+    loop = asyncio.get_running_loop()
+    link._period = 0.5
+    link._tick_at = loop.time() + 0.4
+    sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
+    try:
+        link._shared, link._senders_since = True, loop.time()
+        t0 = loop.time()
+        first = link.submit([worker_pb2.Submission(request_id="s1", kind=worker_pb2.SUBMISSION_KIND_APPEND)])
+        await asyncio.sleep(0.02)
+        respond = link.submit(
+            [worker_pb2.Submission(request_id="s2", kind=worker_pb2.SUBMISSION_KIND_RESPOND)]
+        )
+        await asyncio.wait_for(asyncio.gather(first, respond), 2)
+        assert loop.time() - t0 < 0.2  # not at the tick's write point (0.4 s less the lead)
+        assert [[s.request_id for s in c.submit] for c in call.commands] == [["s1", "s2"]]
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender

@@ -410,3 +410,36 @@ async def test_a_step_says_when_the_next_tick_is(clock: str) -> None:
         assert 0 < step.next_tick_us <= 32_000  # within one frame period of the step
     else:
         assert step.next_tick_us == 0  # no clock to announce
+
+
+def test_on_the_frame_clock_control_work_with_no_input_ahead_is_applied_as_it_comes() -> None:
+    """A COMMIT with no frame queued before it is not a model step: its news comes at once, not
+    at the next tick; one behind a queued frame waits for that frame's tick (order is kept)."""
+    steps = _Steps()
+    engine = Engine(_SecondFrames, sink=steps)
+    committed: list[float] = []
+
+    def sink(items: list[tuple[str, OwnerStep]]) -> None:
+        steps(items)
+        if any(u.committed_samples for _, step in items for u in step.updates):
+            committed.append(time.monotonic())
+
+    engine = Engine(_SecondFrames, sink=sink)
+    engine.start()
+    try:
+        engine.submit([_frames(0, 1)])
+        steps.wait_for(1)  # the first tick; the next is a second away
+        t0 = time.monotonic()
+        engine.submit([Enqueue(Work(COMMIT, Fence("s0", 1, 0), "o", "r0"), QueueCounter())])
+        deadline = time.monotonic() + 5
+        while not committed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert committed and committed[0] - t0 < 0.5  # well before the next tick
+        # Behind a frame, a COMMIT waits for that frame's step: no reordering.
+        engine.submit([_frames(0, 1), Enqueue(Work(COMMIT, Fence("s0", 1, 0), "o", "r0"), QueueCounter())])
+        while len(committed) < 2 and time.monotonic() < deadline + 5:
+            time.sleep(0.01)
+        events = steps.wait_for(2)
+        assert len(committed) == 2 and committed[1] >= events[1][0] - 0.01
+    finally:
+        engine.stop()

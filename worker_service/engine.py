@@ -305,6 +305,11 @@ class Engine:
         self._queued_units += work.units
         if sid not in self._runnable:
             self._runnable[sid] = req
+        if self._period and work.kind != APPEND and len(req.queue) == 1:
+            # Frame clock: control work with no input ahead of it (a RESPOND, a COMMIT) is not a
+            # model step: applied now, not at the next tick, so a reply starts up to a frame
+            # period sooner (the parrot computes it meanwhile).
+            self._prepare(model, req, news)
 
     def _abort_older(self, model: StepModel[Any], cmd: AbortOlder) -> None:
         req = self._requests.get(cmd.session_id)

@@ -108,6 +108,12 @@ def next_tick(now: float, announced: float, period: float, written_for: float) -
     return tick
 
 
+#: Submissions the worker applies as they come (not model steps): written at once.
+_CONTROL = frozenset(
+    {worker_pb2.SUBMISSION_KIND_COMMIT, worker_pb2.SUBMISSION_KIND_RESPOND, worker_pb2.SUBMISSION_KIND_CLEAR}
+)
+
+
 def _wake_nap(nap: asyncio.Future[None]) -> None:
     if not nap.done():
         nap.set_result(None)
@@ -132,6 +138,9 @@ class _Pending:
     futures: list[asyncio.Future[None]] = field(default_factory=list)
     abort: list[worker_pb2.Abort] = field(default_factory=list)
     release: list[worker_pb2.Release] = field(default_factory=list)
+    urgent: bool = False
+    """A COMMIT, RESPOND or CLEAR is in it: written at once, not at the tick's write point (a
+    RESPOND's reply starts sooner; the worker applies control work as it comes)."""
 
 
 class WorkerLink:
@@ -264,8 +273,13 @@ class WorkerLink:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if subs and self._write_coalesce_s > 0:
             self._senders.add(subs[0].request_id)
-        self._pending.submit.extend(subs)
-        self._pending.futures.append(fut)
+        pending = self._pending
+        pending.submit.extend(subs)
+        pending.futures.append(fut)
+        if not pending.urgent and any(s.kind in _CONTROL for s in subs):
+            pending.urgent = True
+            if self._nap is not None and not self._nap.done():
+                self._nap.set_result(None)
         self._wake.set()
         return fut
 
@@ -481,7 +495,8 @@ class WorkerLink:
         coalesce = self._write_coalesce_s
         while True:
             await self._wake.wait()
-            if coalesce > 0 and not self._pending.abort and self._worth_waiting():
+            pending = self._pending
+            if coalesce > 0 and not (pending.abort or pending.urgent) and self._worth_waiting():
                 # Every WorkerCommand is a syscall and a wake-up on both ends: submissions of
                 # sessions that arrive within the window share one (and the worker's next step).
                 # Against a frame clock the window runs to just before the next tick: one
