@@ -214,15 +214,6 @@ def _frame_bytes(model: StepModel[Any]) -> int:
     return model.frame_samples * model.audio_format.frame_bytes
 
 
-def to_work(model: StepModel[Any], owner: str, sub: worker_pb2.Submission) -> Work:
-    """Validate one submission and turn it into engine work (an APPEND's PCM into float frames);
-    raises ``bad_submission``."""
-    work, pcm = parse_submission(model, owner, sub)
-    if pcm is not None:
-        decode_appends(model, [(work, pcm)])
-    return work
-
-
 def decode_appends(model: StepModel[Any], appends: list[tuple[Work, bytes]]) -> None:
     """Decode the s16 PCM of validated APPENDs in one pass and give each work its frames, a
     view of ``(n, frame_samples)`` float32 rows."""

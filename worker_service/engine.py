@@ -423,9 +423,10 @@ class Engine:
         out = self._step_all(model, news, list(self._runnable.values()))
         budget_end = now + CATCH_UP_BUDGET * self._period
         for _ in range(CATCH_UP_STEPS):
-            behind = [r for r in self._runnable.values() if r.input_frames()]
-            if not any(r.input_frames() >= CATCH_UP_BACKLOG for r in behind):
+            queued = [(r, r.input_frames()) for r in self._runnable.values()]
+            if not any(n >= CATCH_UP_BACKLOG for _, n in queued):
                 break
+            behind = [r for r, n in queued if n]
             if time.monotonic() >= budget_end:
                 break
             out.extend(self._step_all(model, news, behind))
