@@ -45,7 +45,7 @@ fuzz: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy duplex session_service worker_service
+	$(BIN)/mypy duplex session_service worker_service realtime_service
 
 # The benchmark suite (8-9 minutes on a 2-core machine): writes BENCHMARKS.md, benchmarks/latest.json
 # and benchmarks/plots/ (see BENCHMARKS.md; compared with benchmarks/baseline.json). DEVICE=cuda runs

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("worker_service.cli", "run a GPU/CPU worker service (batched model engine)"),
     "session": ("session_service.api.cli", "run a session service (the client-facing gRPC API)"),
+    "realtime": ("realtime_service.cli", "serve the OpenAI Realtime API over WebSocket (an edge)"),
     "up": ("duplex.stack", "start the local stack: one session service and N workers"),
     "talk": ("duplex.talk", "talk a WAV file through a session and save the reply"),
     "demo": ("duplex.demo", "start the local stack, talk a bundled recording through it, stop"),

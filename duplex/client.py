@@ -863,13 +863,19 @@ class Session:
     async def update(
         self,
         *,
+        input_format: PcmFormat | None = None,
         output_format: PcmFormat | None = None,
         turn_detection: session_pb2.TurnDetection | None = None,
         instructions: str | None = None,
+        modalities: Iterable[str] | None = None,
         extra_body: Mapping[str, Any] | None = None,
     ) -> str:
         """Change settings; the server answers ``updated`` (or an ``error``). Unset = unchanged."""
         config = session_pb2.SessionConfig()
+        if input_format is not None:
+            config.input_format.CopyFrom(input_format.to_proto())
+        if modalities is not None:
+            config.modalities.extend(modalities)
         if output_format is not None:
             config.output_format.CopyFrom(output_format.to_proto())
         if turn_detection is not None:

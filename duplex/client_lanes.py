@@ -148,6 +148,12 @@ class Lanes:
     ) -> None:
         await self.close()
 
+    @property
+    def usable(self) -> bool:
+        """Whether new sessions can still be opened on this stream (it has neither failed nor
+        been closed)."""
+        return self._failure is None and not self._closing
+
     # ---- sessions ----------------------------------------------------------------------------
 
     async def open_session(

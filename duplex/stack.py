@@ -118,17 +118,25 @@ class LocalStack:
     device: str = "cpu"
     worker_args: list[str] = field(default_factory=list)
     session_args: list[str] = field(default_factory=list)
+    realtime_port: int | None = None
+    """Also start the Realtime edge (``duplex realtime``) on this port (0 = any free one)."""
+    realtime_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 90.0
     log: IO[str] | int | None = None
     session: Child | None = field(default=None, init=False)
+    realtime: Child | None = field(default=None, init=False)
     worker_children: list[Child] = field(default_factory=list, init=False)
     started_pids: list[int] = field(default_factory=list, init=False)
     """Every child process this stack started, kept after ``stop`` (to check none is left)."""
 
     @property
     def children(self) -> list[Child]:
-        """Every child, workers first."""
-        return [*self.worker_children, *([self.session] if self.session else [])]
+        """Every child, workers first, the edge last."""
+        return [
+            *self.worker_children,
+            *([self.session] if self.session else []),
+            *([self.realtime] if self.realtime else []),
+        ]
 
     @property
     def target(self) -> str:
@@ -136,6 +144,13 @@ class LocalStack:
         if self.session is None:
             raise StackError("the stack is not running")
         return self.session.grpc
+
+    @property
+    def realtime_url(self) -> str:
+        """``ws://HOST:PORT/v1`` of the Realtime edge: an OpenAI SDK's ``base_url`` (with http)."""
+        if self.realtime is None:
+            raise StackError("the stack runs no Realtime edge")
+        return f"ws://{self.realtime.grpc}/v1"
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         # No preexec_fn: this process has gRPC's threads running (a second stack, a client),
@@ -154,6 +169,8 @@ class LocalStack:
         self.started_pids.append(proc.pid)
         if name == "session":
             self.session = child
+        elif name == "realtime":
+            self.realtime = child
         else:
             self.worker_children.append(child)
         return child
@@ -179,7 +196,9 @@ class LocalStack:
                     sys.stderr.write(line)
                     continue
                 if isinstance(msg, dict) and msg.get("event") == "listening":
-                    child.grpc, child.metrics = str(msg["grpc"]), str(msg.get("metrics", ""))
+                    # The edge announces its WebSocket address as "realtime".
+                    address = msg.get("grpc") or msg.get("realtime", "")
+                    child.grpc, child.metrics = str(address), str(msg.get("metrics", ""))
                     child.event_loop = str(msg.get("event_loop", ""))
                     del waiting[stream]
                     _drain(stream)
@@ -231,6 +250,21 @@ class LocalStack:
             )
             self._await_listening([session], deadline)
             self.wait_serving(deadline - time.monotonic())
+            if self.realtime_port is not None:
+                edge = self._spawn(
+                    "realtime",
+                    [
+                        "realtime",
+                        "--session",
+                        self.target,
+                        "--listen",
+                        f"{self.host}:{self.realtime_port}",
+                        "--metrics-port",
+                        "0",
+                        *self.realtime_args,
+                    ],
+                )
+                self._await_listening([edge], deadline)
         except BaseException:
             self.stop()
             raise
@@ -264,9 +298,11 @@ class LocalStack:
         return None
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the session service (it drains its clients), then the workers; SIGKILL stragglers."""
-        order = [*([self.session] if self.session else []), *self.worker_children]
-        for group in ([c for c in order if c.name == "session"], [c for c in order if c.name != "session"]):
+        """SIGTERM the edge and the session service (they drain their clients), then the workers;
+        SIGKILL stragglers."""
+        front = [c for c in (self.realtime, self.session) if c is not None]
+        order = [*front, *self.worker_children]
+        for group in (front, self.worker_children):
             for child in group:
                 if child.proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -284,6 +320,7 @@ class LocalStack:
                 with contextlib.suppress(OSError):
                     child.proc.stdout.close()
         self.session = None
+        self.realtime = None
         self.worker_children = []
 
     def describe(self) -> dict[str, object]:
@@ -294,6 +331,11 @@ class LocalStack:
             "target": self.target,
             "pid": os.getpid(),
             "session": self.session.describe(),
+            **(
+                {"realtime": self.realtime.describe(), "realtime_url": self.realtime_url}
+                if self.realtime
+                else {}
+            ),
             "workers": [w.describe() for w in self.worker_children],
         }
 
@@ -338,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_SESSION_PORT,
         metavar="P",
         help="session service port, 0 = any free one (default: %(default)s)",
+    )
+    p.add_argument(
+        "--realtime-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="also serve the OpenAI Realtime API (WebSocket) on this port, 0 = any free one",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument(
@@ -392,10 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     text = sys.stderr if args.json else sys.stdout
-    stack = LocalStack(workers=args.workers, host=args.host, session_port=args.session_port)
+    stack = LocalStack(
+        workers=args.workers, host=args.host, session_port=args.session_port, realtime_port=args.realtime_port
+    )
     if args.insecure:
         stack.worker_args = [*stack.worker_args, "--insecure"]
         stack.session_args = [*stack.session_args, "--insecure"]
+        stack.realtime_args = [*stack.realtime_args, "--insecure"]
     stack.model, stack.plugin, stack.device = args.model, args.plugin, args.device
     print(f"starting {args.workers} {args.model} worker(s) and a session service...", file=sys.stderr)
     try:
@@ -417,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {child.name:<9} pid {child.pid:<7} grpc {child.grpc:<21} {child.metrics_url}", file=text
             )
         print(f"try:  duplex talk examples/hello.wav -o reply.wav --target {stack.target}", file=text)
+        if stack.realtime is not None:
+            base_url = stack.realtime_url.replace("ws://", "http://")
+            print(f"Realtime API: {stack.realtime_url}/realtime (OpenAI SDK base_url={base_url})", file=text)
         print("Ctrl-C stops the stack.", file=text, flush=True)
         while not stop.signum:
             dead = stack.dead_child()

@@ -1,0 +1,44 @@
+"""The edge's Prometheus metrics (``duplex_realtime_*``), on its own ``/metrics`` port.
+
+Labels are bounded: event types are the API's (or ``invalid``), codes the session service's
+stable codes, refusals a fixed set of reasons.
+"""
+
+from __future__ import annotations
+
+# Counter names omit `_total`: prometheus_client appends it.
+from prometheus_client import Counter, Gauge
+
+CONNECTIONS = Gauge("duplex_realtime_connections", "WebSocket connections held now")
+CONNECTIONS_TOTAL = Counter("duplex_realtime_connections_accepted", "WebSocket connections accepted")
+REFUSED = Counter(
+    "duplex_realtime_refused",
+    "Upgrade requests refused before a WebSocket was opened, by reason",
+    ["reason"],
+)
+SESSIONS_REFUSED = Counter(
+    "duplex_realtime_sessions_refused",
+    "Connections whose session the session service would not open, by its code",
+    ["code"],
+)
+SESSIONS_LOST = Counter(
+    "duplex_realtime_sessions_lost",
+    "Connections whose session failed and could not be resumed, by code",
+    ["code"],
+)
+RESUMES = Counter(
+    "duplex_realtime_resumes",
+    "Resumes after the stream to the session service dropped, by outcome",
+    ["outcome"],
+)
+CLIENT_EVENTS = Counter("duplex_realtime_client_events", "Client events received, by command", ["type"])
+SERVER_EVENTS = Counter("duplex_realtime_server_events", "Server events queued, by type", ["type"])
+AUDIO_DROPPED = Counter(
+    "duplex_realtime_cancelled_audio_dropped",
+    "Audio deltas of a cancelled response dropped before they were written",
+)
+SLOW_CONSUMERS = Counter(
+    "duplex_realtime_slow_consumers", "Connections cut off because the client did not read its output"
+)
+IDLE_CLOSES = Counter("duplex_realtime_idle_closes", "Connections closed after the idle timeout")
+STREAMS = Gauge("duplex_realtime_upstream_streams", "ConverseMany streams held to the session service")
