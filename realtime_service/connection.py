@@ -118,17 +118,18 @@ class Connection:
         reader = asyncio.create_task(self._read(), name="realtime-reader")
         pump = asyncio.create_task(self._pump(), name="realtime-pump")
         writer = asyncio.create_task(self._write(), name="realtime-writer")
-        tasks = {reader, pump, writer}
+        overflow = asyncio.create_task(self.outbound.overflow.wait(), name="realtime-overflow")
+        tasks = {reader, pump, writer, overflow}
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if pump in done:
+            if self.outbound.overflowed:
+                metrics.SLOW_CONSUMERS.inc()
+                self.close_code, self.close_reason = CLOSE_POLICY, "slow consumer: output not read"
+            elif pump in done:
                 # The session ended: write what is queued, then close.
                 self.outbound.close()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(writer), 5.0)
-            elif writer in done and self.outbound.overflowed:
-                metrics.SLOW_CONSUMERS.inc()
-                self.close_code, self.close_reason = CLOSE_POLICY, "slow consumer: output not read"
         finally:
             for task in tasks:
                 task.cancel()
@@ -138,8 +139,11 @@ class Connection:
             if self.session is not None:
                 with contextlib.suppress(DuplexError):
                     await self.session.close(timeout_s=5.0)
+            # A client that does not read will not read the close frame either: do not wait.
             with contextlib.suppress(Exception):
-                await self.ws.close(self.close_code, self.close_reason[:120])
+                await asyncio.wait_for(self.ws.close(self.close_code, self.close_reason[:120]), 2.0)
+            if self.outbound.overflowed:
+                self.ws.transport.abort()
 
     async def _send_now(self, event: Event) -> None:
         with contextlib.suppress(ConnectionClosed):

@@ -27,6 +27,8 @@ class Outbound:
         self.queued_bytes = 0
         self.overflowed = False
         self.closed = False
+        self.overflow = asyncio.Event()
+        """Set once the bound was passed (the writer may be stuck in a write meanwhile)."""
         self._ready = asyncio.Event()
 
     def put(self, frame: Frame) -> None:
@@ -37,6 +39,7 @@ class Outbound:
         self.queued_bytes += len(frame.text)
         if self.queued_bytes > self.limit_bytes:
             self.overflowed = True
+            self.overflow.set()
         self._ready.set()
 
     def drop_audio(self, response_id: str) -> int:
