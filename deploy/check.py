@@ -4,12 +4,14 @@ For every overlay under deploy/overlays/ (or the ones named): render it with kus
 each object strictly against the Kubernetes schemas of 1.30 and 1.32 (``kubernetes-validate``;
 custom resources, which it has no schema for, are named in ``CUSTOM_RESOURCES`` and given a shape
 check of their own, and any other kind it cannot find fails), then check the settings the
-deployment relies on over the parsed objects (``object_problems``): the restricted security
-context, no service-account token, bounded scratch space, resources, digest-pinned images, the
-three probes (liveness on its own health service), a preStop and a grace period longer than the
-drain, metrics on every interface, the worker discovery flags, files from Secrets, the arguments
-as the real ``duplex`` parsers read them, and the network policies (a default deny, then exactly
-the flows the tiers need, none open to every namespace). Then the images (``image_problems``:
+deployment relies on over the parsed objects (``object_problems``), for each tier (``TIERS``: the
+session tier, the workers and the Realtime edge): the restricted security context, no
+service-account token, bounded scratch space, resources, digest-pinned images, the three probes
+(gRPC with liveness on its own health service; the edge's HTTP /healthz and /readyz), a preStop
+and a grace period longer than the drain, metrics on every interface, the worker discovery flags,
+the edge's session service, files from Secrets, the arguments as the real ``duplex`` parsers read
+them, and the network policies (a default deny, then exactly the flows the tiers need, none open
+to every namespace). Then the images (``image_problems``:
 the Containerfiles, parsed) and Prometheus (``prometheus_problems``: ``promtool check rules`` and
 ``promtool test rules``, the scrape config's relabelling, the PrometheusRule copy of the rules).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import fnmatch
 import io
 import json
 import re
@@ -53,6 +56,22 @@ Doc = dict[str, Any]
 #: from there in ``_liveness_service``, this is only the fallback when grpc is not installed).
 LIVENESS_FALLBACK = "duplex.v1.Liveness"
 
+#: The tiers: app.kubernetes.io/component of each workload's pods. The session tier and the workers
+#: must be there; the Realtime edge (``duplex realtime``) is checked when it is.
+TIERS = ("session", "worker", "realtime")
+REQUIRED_TIERS = ("session", "worker")
+#: The tiers that serve gRPC with a plaintext health port (``--health-listen``) for gRPC probes.
+GRPC_TIERS = ("session", "worker")
+#: The tiers an autoscaler owns the replica count of.
+AUTOSCALED_TIERS = ("session", "realtime")
+#: The Realtime edge runs from the session image, whose entry point is ``duplex session``: its
+#: container names the subcommand itself.
+REALTIME_COMMAND = ["duplex", "realtime"]
+#: The edge's probes: plain GETs on its WebSocket port (HTTPS when it serves wss).
+REALTIME_PROBES = {"startupProbe": "/healthz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+#: The edge's WebSocket container port name (the Service's target, the policies' port).
+REALTIME_PORT = "websocket"
+
 #: What each tier's startup probe asks for. The session tier: liveness (whether the process
 #: serves), never the overall status, which waits for a worker: a rollout during a worker outage
 #: would restart every new replica. The worker: the overall status (the model is loaded), so a
@@ -60,10 +79,12 @@ LIVENESS_FALLBACK = "duplex.v1.Liveness"
 STARTUP_SERVICE = {"session": "liveness", "worker": ""}
 
 #: Seconds each tier needs after its drain (``--drain-grace-s``) before it exits: the session
-#: server's stop grace (2 s); the worker's (1 s) and its engine thread's join (up to 10 s).
-STOP_AFTER_DRAIN_S = {"session": 2.0, "worker": 11.0}
+#: server's stop grace (2 s); the worker's (1 s) and its engine thread's join (up to 10 s); the
+#: edge's close handshakes with the clients still connected (websockets' close timeout, 10 s) and
+#: its streams to the session service (2 s).
+STOP_AFTER_DRAIN_S = {"session": 2.0, "worker": 11.0, "realtime": 12.0}
 #: The drain grace when the flag is absent (the CLIs' defaults).
-DEFAULT_DRAIN_S = {"session": 10.0, "worker": 5.0}
+DEFAULT_DRAIN_S = {"session": 10.0, "worker": 5.0, "realtime": 10.0}
 #: terminationGracePeriodSeconds must exceed preStop + drain + stop by at least this.
 GRACE_MARGIN_S = 5.0
 
@@ -318,12 +339,18 @@ def object_problems(docs: list[Doc], *, release: bool = False) -> list[str]:
     for doc in docs:
         if doc.get("kind") in WORKLOAD_KINDS and doc.get("kind") not in ("Deployment", "StatefulSet"):
             ctx.add(doc, "a kind of workload this deployment does not have (unchecked)")
-    tiers = {w.tier for w in loads}
-    if not {"session", "worker"} <= tiers:
-        ctx.problems.append(f"expected a session and a worker workload, found tiers {sorted(tiers)}")
+    tiers = [w.tier for w in loads]
+    if not set(REQUIRED_TIERS) <= set(tiers):
+        ctx.problems.append(f"expected a session and a worker workload, found tiers {sorted(set(tiers))}")
+    for tier in sorted({t for t in tiers if tiers.count(t) > 1}):
+        ctx.problems.append(f"more than one workload of tier {tier}")
     for w in loads:
-        if w.tier not in ("session", "worker"):
-            ctx.add(w, "a workload that is neither tier (app.kubernetes.io/component session or worker)")
+        if w.tier not in TIERS:
+            ctx.add(
+                w,
+                f"a workload of no known tier (app.kubernetes.io/component {w.tier!r}, not one of "
+                f"{', '.join(TIERS)})",
+            )
             continue
         _check_pod(ctx, w)
         for c in w.containers:
@@ -437,55 +464,44 @@ def _check_main_container(ctx: Context, w: Workload, loads: list[Workload]) -> N
     c = w.main
     a = args_map(c)
     args = [str(x) for x in c.get("args", [])]
-    liveness = _liveness_service()
-    # The image's entry point is `duplex <tier>`: the args are that subcommand's options.
+    # The image's entry point is `duplex <tier>`: the args are that subcommand's options. The edge
+    # runs from the session image, so its command names `duplex realtime` (and nothing else).
     if args and not args[0].startswith("--"):
         ctx.add(w, f"args start with {args[0]!r}: the image's entry point already names the subcommand")
     if "--insecure" in args:
         ctx.add(w, "runs with --insecure")
-    if c.get("command"):
+    if w.tier == "realtime":
+        if [str(x) for x in c.get("command") or []] != REALTIME_COMMAND:
+            ctx.add(w, f"command is {c.get('command')!r}, not {REALTIME_COMMAND} (the session image's)")
+    elif c.get("command"):
         ctx.add(w, "overrides the image's entry point (command)")
     # Ports: the flags and the declared container ports agree.
     listen_host, listen_port = _host_port(a.get("--listen", ""))
     health_host, health_port = _host_port(a.get("--health-listen", ""))
-    if "--health-listen" not in a:
-        ctx.add(w, "no --health-listen: the probes have no plaintext health port")
-    for port_name, value in (("grpc", listen_port), ("health", health_port)):
+    listen_name = REALTIME_PORT if w.tier == "realtime" else "grpc"
+    ports: list[tuple[str, int | None]] = [(listen_name, listen_port)]
+    if w.tier in GRPC_TIERS:
+        if "--health-listen" not in a:
+            ctx.add(w, "no --health-listen: the probes have no plaintext health port")
+        ports.append(("health", health_port))
+    for port_name, value in ports:
         if value is None or w.port(port_name) != value:
             ctx.add(w, f"container port {port_name!r} ({w.port(port_name)}) is not the flag's port ({value})")
     metrics_port = int(a["--metrics-port"]) if a.get("--metrics-port", "").isdigit() else None
     if metrics_port is None or w.port("metrics") != metrics_port:
         ctx.add(w, f"container port 'metrics' ({w.port('metrics')}) is not --metrics-port ({metrics_port})")
-    # Metrics on every interface, or Prometheus cannot scrape. The session tier has
+    # Metrics on every interface, or Prometheus cannot scrape. The session tier and the edge have
     # --metrics-host (default 127.0.0.1); the worker binds /metrics on the --listen host.
-    metrics_host = a.get("--metrics-host", "127.0.0.1" if w.tier == "session" else listen_host)
+    metrics_host = a.get("--metrics-host", listen_host if w.tier == "worker" else "127.0.0.1")
     if metrics_host not in ANY_ADDRESS:
         ctx.add(w, f"/metrics binds {metrics_host}, not every interface: Prometheus cannot scrape it")
     for flag, host in (("--listen", listen_host), ("--health-listen", health_host)):
         if flag in a and host not in ANY_ADDRESS:
             ctx.add(w, f"{flag} binds {host}: unreachable from other pods and the kubelet")
-    # Probes: all three, gRPC on the plaintext health port; liveness on its own service name.
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        probe = c.get(kind)
-        if not isinstance(probe, dict) or "grpc" not in probe:
-            ctx.add(w, f"no gRPC {kind}")
-            continue
-        if probe["grpc"].get("port") != health_port:
-            ctx.add(w, f"{kind} port {probe['grpc'].get('port')} is not the health port {health_port}")
-    live = c.get("livenessProbe") or {}
-    if "grpc" in live and _probe_service(live) != liveness:
-        ctx.add(
-            w,
-            f"livenessProbe asks for service {_probe_service(live)!r}, not {liveness!r}: the overall "
-            "status follows workers and drains, and a failing liveness probe restarts the pod",
-        )
-    ready = c.get("readinessProbe") or {}
-    if "grpc" in ready and _probe_service(ready) != "":
-        ctx.add(w, f"readinessProbe asks for service {_probe_service(ready)!r}, not the overall status")
-    start = c.get("startupProbe") or {}
-    want = liveness if STARTUP_SERVICE.get(w.tier) == "liveness" else ""
-    if "grpc" in start and _probe_service(start) != want:
-        ctx.add(w, f"startupProbe asks for service {_probe_service(start)!r}, expected {want!r}")
+    if w.tier == "realtime":
+        _check_http_probes(ctx, w, a, listen_port)
+    else:
+        _check_grpc_probes(ctx, w, health_port)
     # Stopping: a preStop, then a grace period that outlasts the drain.
     pre_stop = ((c.get("lifecycle") or {}).get("preStop")) or {}
     pre_stop_s = 0.0
@@ -509,18 +525,72 @@ def _check_main_container(ctx: Context, w: Workload, loads: list[Workload]) -> N
             f"{STOP_AFTER_DRAIN_S[w.tier]:g} + margin {GRACE_MARGIN_S:g}",
         )
     # Files the flags name come from mounted Secrets (rotated in place).
-    mounts = {m["name"]: m["mountPath"].rstrip("/") for m in c.get("volumeMounts", [])}
-    secret_volumes = {v["name"] for v in w.pod.get("volumes", []) if "secret" in v}
     for flag, path in a.items():
-        if path.startswith("/etc/duplex/"):
-            volume = next((n for n, m in mounts.items() if path.startswith(m + "/")), None)
-            if volume not in secret_volumes:
-                ctx.add(w, f"{flag} {path} is not on a mounted Secret")
+        if path.startswith("/etc/duplex/") and _flag_secret(w, path) is None:
+            ctx.add(w, f"{flag} {path} is not on a mounted Secret")
     if w.tier == "session":
         _check_session_flags(ctx, w, a, loads)
-    else:
+    elif w.tier == "worker":
         _check_worker_flags(ctx, w, a)
+    else:
+        _check_realtime_flags(ctx, w, a, loads)
     _check_cli(ctx, w)
+
+
+def _flag_secret(w: Workload, path: str) -> tuple[str, Doc] | None:
+    """(volume name, its ``secret``) of the Secret volume a path of the main container lies on."""
+    mounts = {m["name"]: m["mountPath"].rstrip("/") for m in w.main.get("volumeMounts", [])}
+    secrets = {v["name"]: v["secret"] for v in w.pod.get("volumes", []) if "secret" in v}
+    volume = next((n for n, m in mounts.items() if path.startswith(m + "/")), None)
+    if volume is None or volume not in secrets:
+        return None
+    return volume, secrets[volume]
+
+
+def _check_grpc_probes(ctx: Context, w: Workload, health_port: int | None) -> None:
+    """All three, gRPC on the plaintext health port; liveness on its own service name."""
+    c = w.main
+    liveness = _liveness_service()
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = c.get(kind)
+        if not isinstance(probe, dict) or "grpc" not in probe:
+            ctx.add(w, f"no gRPC {kind}")
+            continue
+        if probe["grpc"].get("port") != health_port:
+            ctx.add(w, f"{kind} port {probe['grpc'].get('port')} is not the health port {health_port}")
+    live = c.get("livenessProbe") or {}
+    if "grpc" in live and _probe_service(live) != liveness:
+        ctx.add(
+            w,
+            f"livenessProbe asks for service {_probe_service(live)!r}, not {liveness!r}: the overall "
+            "status follows workers and drains, and a failing liveness probe restarts the pod",
+        )
+    ready = c.get("readinessProbe") or {}
+    if "grpc" in ready and _probe_service(ready) != "":
+        ctx.add(w, f"readinessProbe asks for service {_probe_service(ready)!r}, not the overall status")
+    start = c.get("startupProbe") or {}
+    want = liveness if STARTUP_SERVICE.get(w.tier) == "liveness" else ""
+    if "grpc" in start and _probe_service(start) != want:
+        ctx.add(w, f"startupProbe asks for service {_probe_service(start)!r}, expected {want!r}")
+
+
+def _check_http_probes(ctx: Context, w: Workload, a: dict[str, str], listen_port: int | None) -> None:
+    """The edge's: all three, HTTP GETs on the WebSocket port (HTTPS when it serves wss), liveness
+    and startup on /healthz (the process serves), readiness on /readyz (503 while draining)."""
+    scheme = "HTTPS" if "--tls-cert" in a else "HTTP"
+    for kind, path in REALTIME_PROBES.items():
+        probe = w.main.get(kind)
+        if not isinstance(probe, dict) or "httpGet" not in probe:
+            ctx.add(w, f"no HTTP {kind} ({path})")
+            continue
+        get = probe["httpGet"]
+        port = get.get("port")
+        if (w.port(port) if isinstance(port, str) else port) != listen_port:
+            ctx.add(w, f"{kind} port {port!r} is not the WebSocket port {listen_port}")
+        if get.get("path") != path:
+            ctx.add(w, f"{kind} asks for {get.get('path')!r}, not {path}")
+        if get.get("scheme", "HTTP") != scheme:
+            ctx.add(w, f"{kind} scheme {get.get('scheme', 'HTTP')}, but the port serves {scheme}")
 
 
 def _check_session_flags(ctx: Context, w: Workload, a: dict[str, str], loads: list[Workload]) -> None:
@@ -575,6 +645,70 @@ def _check_worker_flags(ctx: Context, w: Workload, a: dict[str, str]) -> None:
             ctx.add(w, "takes a GPU but selects no nodes (nodeSelector or affinity)")
 
 
+def _check_realtime_flags(ctx: Context, w: Workload, a: dict[str, str], loads: list[Workload]) -> None:
+    """The edge: wss and bearer tokens towards its clients, checked against the session service's own
+    token file (or JWKS); the session service by its Service's DNS name, over TLS; the session
+    image; only the CA of the session API's certificate Secret, never its key."""
+    for flag in ("--tls-cert", "--tls-key"):
+        if flag not in a:
+            ctx.add(w, f"no {flag}: clients would send their bearer tokens in plaintext")
+    if not ({"--auth-tokens", "--auth-jwks"} & a.keys()):
+        ctx.add(w, "no --auth-tokens or --auth-jwks: tokens are not checked before the WebSocket opens")
+    session = next((x for x in loads if x.tier == "session"), None)
+    if session is None:
+        return
+    sa = args_map(session.main)
+    # The same token file / JWKS as the session service: from the same Secret (and key).
+    for flag in ("--auth-tokens", "--auth-jwks"):
+        if flag not in a:
+            continue
+        mine, theirs = _flag_secret(w, a[flag]), _flag_secret(session, sa.get(flag, "/-"))
+        if theirs is None:
+            ctx.add(w, f"{flag} is set but the session service has none")
+        elif mine is not None and (
+            mine[1].get("secretName") != theirs[1].get("secretName")
+            or Path(a[flag]).name != Path(sa[flag]).name
+        ):
+            ctx.add(
+                w,
+                f"{flag} reads Secret {mine[1].get('secretName')} ({Path(a[flag]).name}), not the session "
+                f"service's {theirs[1].get('secretName')} ({Path(sa[flag]).name})",
+            )
+    # The session service, by its Service's name and gRPC port.
+    namespace = w.doc["metadata"].get("namespace", "default")
+    services = [
+        s
+        for s in ctx.of("Service")
+        if s["spec"].get("selector") and _selects({"matchLabels": s["spec"]["selector"]}, session.labels)
+    ]
+    wanted = []
+    for svc in services:
+        for port in svc["spec"].get("ports", []):
+            if port.get("name") == "grpc":
+                wanted.append(f"{svc['metadata']['name']}.{namespace}.svc.cluster.local:{port['port']}")
+    if a.get("--session") not in wanted:
+        ctx.add(w, f"--session is {a.get('--session')!r}, expected the session Service's name {wanted}")
+    # TLS towards it, as it serves TLS.
+    if "--tls-cert" in sa and "--session-ca" not in a:
+        ctx.add(w, "no --session-ca: the session service serves TLS")
+    # The session image (the base install): the same image as the session Deployment's.
+    if w.main.get("image") != session.main.get("image"):
+        ctx.add(w, f"image {w.main.get('image')!r} is not the session image {session.main.get('image')!r}")
+    # Another tier's server key never lands in the edge's pod (the session API's certificate Secret
+    # is mounted for its ca.crt alone).
+    for flag in ("--tls-key", "--worker-tls-key"):
+        found = _flag_secret(session, sa.get(flag, "/-"))
+        if found is None:
+            continue
+        secret, key = found[1].get("secretName"), Path(sa[flag]).name
+        for vol in w.pod.get("volumes", []):
+            if (vol.get("secret") or {}).get("secretName") != secret:
+                continue
+            items = vol["secret"].get("items")
+            if items is None or any(i.get("key") == key for i in items):
+                ctx.add(w, f"volume {vol['name']!r} mounts {key} of Secret {secret}, the session tier's key")
+
+
 def _cpu(quantity: object) -> float | None:
     """A CPU quantity ("2", 2, "500m") in cores."""
     text = str(quantity) if quantity is not None else ""
@@ -599,6 +733,10 @@ def _check_cli(ctx: Context, w: Workload) -> None:
             from session_service.api import cli as session_cli
 
             parser = session_cli._parser()
+        elif w.tier == "realtime":
+            from realtime_service import cli as realtime_cli
+
+            parser = realtime_cli.build_parser()
         else:
             from worker_service import cli as worker_cli
 
@@ -625,8 +763,9 @@ def _check_cli(ctx: Context, w: Workload) -> None:
 
 def _check_services(ctx: Context, loads: list[Workload]) -> None:
     for svc in ctx.of("Service"):
+        # A Service's selector is a plain map of labels (no matchLabels).
         selector = svc["spec"].get("selector") or {}
-        targets = [w for w in loads if selector and _selects(selector, w.labels)]
+        targets = [w for w in loads if selector and _selects({"matchLabels": selector}, w.labels)]
         if not targets:
             ctx.add(svc, "selects no workload")
             continue
@@ -655,7 +794,7 @@ def _check_scaling(ctx: Context, loads: list[Workload]) -> None:
             ctx.add(w, "no PodDisruptionBudget")
     hpas = ctx.of("HorizontalPodAutoscaler")
     for w in loads:
-        if w.tier != "session":
+        if w.tier not in AUTOSCALED_TIERS:
             continue
         mine = [h for h in hpas if h["spec"]["scaleTargetRef"].get("name") == w.doc["metadata"]["name"]]
         if not mine:
@@ -715,7 +854,7 @@ def expected_flows(loads: list[Workload]) -> set[tuple[str, str, str, int, str]]
     """(direction, tier, peer, port, protocol): exactly what the tiers need. Derived from the
     workloads' own ports, so a typo in a policy's port shows as one flow missing, one extra."""
     by_tier = {w.tier: w for w in loads}
-    session, worker = by_tier.get("session"), by_tier.get("worker")
+    session, worker, realtime = by_tier.get("session"), by_tier.get("worker"), by_tier.get("realtime")
     if session is None or worker is None:
         return set()
     flows: set[tuple[str, str, str, int, str]] = set()
@@ -732,6 +871,15 @@ def expected_flows(loads: list[Workload]) -> set[tuple[str, str, str, int, str]]
     for tier in ("session", "worker"):
         add("egress", tier, "kube-dns", 53, "UDP")
         add("egress", tier, "kube-dns", 53, "TCP")
+    if realtime is not None:
+        # Clients (namespaces chosen by label, as the backends are) on the WebSocket port; the edge
+        # calls the session service, and resolves its Service's name.
+        add("ingress", "realtime", "backends", realtime.port(REALTIME_PORT))
+        add("ingress", "realtime", "monitoring", realtime.port("metrics"))
+        add("ingress", "session", "pods:realtime", session.port("grpc"))
+        add("egress", "realtime", "pods:session", session.port("grpc"))
+        add("egress", "realtime", "kube-dns", 53, "UDP")
+        add("egress", "realtime", "kube-dns", 53, "TCP")
     return flows
 
 
@@ -799,8 +947,9 @@ def _check_custom_resources(ctx: Context, loads: list[Workload]) -> None:
     for monitor in ctx.of("PodMonitor"):
         selector = monitor["spec"].get("selector", {})
         scraped = [w for w in loads if _selects(selector, w.labels)]
-        if {w.tier for w in scraped} != {"session", "worker"}:
-            ctx.add(monitor, "does not select both tiers' pods")
+        missed = sorted({w.tier for w in loads} - {w.tier for w in scraped})
+        if missed:
+            ctx.add(monitor, f"does not select the pods of every tier (not {', '.join(missed)})")
         for ep in monitor["spec"].get("podMetricsEndpoints", []):
             for w in scraped:
                 if w.port(ep.get("port", "")) is None:
@@ -824,7 +973,8 @@ def _check_custom_resources(ctx: Context, loads: list[Workload]) -> None:
         mounts = {m["name"]: m["mountPath"].rstrip("/") for m in c.get("volumeMounts", [])}
         secrets = {v["name"]: v["secret"]["secretName"] for v in w.pod.get("volumes", []) if "secret" in v}
         for flag, value in args_map(c).items():
-            if "tls" not in flag:
+            # TLS material: --tls-*, --worker-tls-*, and the edge's --session-ca/-cert/-key.
+            if "tls" not in flag and not flag.startswith("--session-"):
                 continue
             volume = next((n for n, m in mounts.items() if value.startswith(m + "/")), None)
             if volume in secrets and secrets[volume] not in issued:
@@ -1005,11 +1155,35 @@ def install_set(targets: Iterable[str], pyproject: Doc) -> set[str]:
 COMPILERS = {"build-essential", "gcc", "g++", "clang", "make", "cmake", "cc", "cpp"}
 
 
+def project_packages(pyproject: Doc, root: Path = ROOT) -> set[str]:
+    """The top-level packages the project's wheel holds: the folders of ``root`` with an
+    ``__init__.py`` that ``[tool.setuptools.packages.find] include`` names."""
+    find = pyproject.get("tool", {}).get("setuptools", {}).get("packages", {}).get("find", {})
+    patterns = [str(p) for p in find.get("include", [])]
+    return {
+        d.name
+        for d in root.iterdir()
+        if (d / "__init__.py").is_file() and any(fnmatch.fnmatchcase(d.name, p) for p in patterns)
+    }
+
+
+def _copied(stage: Stage) -> set[str]:
+    """The sources a stage's COPY/ADD instructions take from the build context (not --from)."""
+    out: set[str] = set()
+    for ins in stage.instructions:
+        if ins.keyword not in ("COPY", "ADD") or "--from=" in ins.value:
+            continue
+        words = [w for w in shlex.split(ins.value) if not w.startswith("--")]
+        out |= {w.strip("/").removeprefix("./").strip("/") or "." for w in words[:-1]}
+    return out
+
+
 def image_problems(run_as_user: set[int] | None = None) -> list[str]:
     """The Containerfiles under deploy/images/, parsed: multi-stage, a final stage without build
     tools that installs only the builder's wheels, a non-root USER (the pods' runAsUser when given),
     an entry point that is a ``duplex`` subcommand, no torch in the session image, the torch build
-    each worker image promises (the CUDA one paired with its base image's CUDA)."""
+    each worker image promises (the CUDA one paired with its base image's CUDA), and a builder that
+    copies every package of the project (the session image also runs ``duplex realtime``)."""
     from duplex.cli import SUBCOMMANDS
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -1039,6 +1213,13 @@ def containerfile_problems(
     names = {s.name for s in stages[:-1] if s.name}
     if final.base in names:
         problems.append(f"{here}: the final stage starts from the builder stage (its build tools)")
+    # The builder builds the project's wheel from the packages it copied: one left out is missing
+    # from the image (setuptools finds only what is there), and so is its subcommand.
+    copied = set().union(*(_copied(s) for s in stages[:-1]))
+    if "." not in copied:
+        missing = sorted(project_packages(pyproject) - copied)
+        if missing:
+            problems.append(f"{here}: the builder does not copy the project's packages {missing}")
     # No build tools in the final stage.
     for ins in final.instructions:
         if ins.keyword == "RUN":
@@ -1053,7 +1234,7 @@ def containerfile_problems(
         if (
             ins.keyword == "COPY"
             and "--from=" not in ins.value
-            and re.search(r"\b(duplex|session_service|worker_service)\b", ins.value)
+            and re.search(r"\b(duplex|session_service|worker_service|realtime_service)\b", ins.value)
         ):
             problems.append(f"{here}: the final stage copies the source tree ({ins.value})")
     # The final stage installs the builder's wheels and nothing from an index.
@@ -1131,7 +1312,7 @@ def _cuda_pairing(here: str, final: Stage) -> list[str]:
 
 def prometheus_problems() -> list[str]:
     """promtool on the alert rules and their unit tests; the scrape config's relabelling on a
-    session and a worker pod; the adapter rule's metric is the autoscaler's."""
+    session, a worker and a Realtime edge pod; the adapter rule's metric is the autoscaler's."""
     problems: list[str] = []
     if shutil.which("promtool") is None:
         raise CheckError("promtool (Debian package prometheus) is not installed")
@@ -1185,12 +1366,13 @@ def scrape_problems(config: Doc) -> list[str]:
         return [f"deploy/prometheus/scrape.yaml: expected one job, found {len(jobs)}"]
     relabels = jobs[0].get("relabel_configs", [])
     problems = []
-    for tier, port, scrape in (
-        ("session", 9101, "true"),
-        ("worker", 9102, "true"),
-        ("worker", 9102, "false"),
+    for tier, port, scrape, (other_name, other_port) in (
+        ("session", 9101, "true", ("grpc", 50051)),
+        ("worker", 9102, "true", ("grpc", 50052)),
+        ("worker", 9102, "false", ("grpc", 50052)),
+        ("realtime", 9103, "true", (REALTIME_PORT, 8765)),
     ):
-        for port_name, container_port in (("grpc", 50051), ("metrics", port)):
+        for port_name, container_port in ((other_name, other_port), ("metrics", port)):
             target = {
                 "__address__": f"10.0.0.1:{container_port}",
                 "__metrics_path__": "/metrics",

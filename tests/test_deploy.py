@@ -93,6 +93,7 @@ def test_release_mode_refuses_the_placeholder_images(rendered: dict[str, list[Do
     docs = copy.deepcopy(rendered["gpu"])
     container(docs)["image"] = "registry.corp/duplex/session@sha256:" + "ab" * 32
     container(docs, "StatefulSet", "worker")["image"] = "registry.corp/duplex/worker-cuda@sha256:" + "cd" * 32
+    container(docs, "Deployment", "realtime")["image"] = "registry.corp/duplex/session@sha256:" + "ab" * 32
     assert check.object_problems(docs, release=True) == []
 
 
