@@ -102,6 +102,9 @@ class Connection:
         self.session: Session | None = None
         self._opened = False
         self._client_gone = False
+        self._pump_over = False
+        self._swapped = asyncio.Event()
+        """Set when the pump put a resumed session in place, or ended."""
         self.close_code = CLOSE_NORMAL
         self.close_reason = ""
 
@@ -177,13 +180,27 @@ class Connection:
                 self._emit([self.conversation.error(err)])
                 continue
             metrics.CLIENT_EVENTS.labels(type=type(command).__name__).inc()
-            try:
-                await self._apply(command)
-            except RealtimeError as err:
-                err.event_id = command.event_id
-                self._emit([self.conversation.error(err)])
-            except DuplexError:
-                return  # the session has ended: the pump reports why
+            for attempt in range(2):
+                session = self.session
+                try:
+                    await self._apply(command)
+                    break
+                except RealtimeError as err:
+                    err.event_id = command.event_id
+                    self._emit([self.conversation.error(err)])
+                    break
+                except DuplexError:
+                    # The stream failed under the session: the pump resumes it (the command goes
+                    # again on the resumed session) or reports why it cannot.
+                    if attempt or not await self._resumed_since(session):
+                        return
+
+    async def _resumed_since(self, session: Session | None) -> bool:
+        """Wait until the pump has resumed ``session`` on a new stream (True) or given up."""
+        while self.session is session and not self._pump_over:
+            self._swapped.clear()
+            await self._swapped.wait()
+        return self.session is not session
 
     async def _apply(self, command: Command) -> None:
         session = self.session
@@ -236,6 +253,13 @@ class Connection:
     # ---- the session's events ---------------------------------------------------------------
 
     async def _pump(self) -> None:
+        try:
+            await self._pump_events()
+        finally:
+            self._pump_over = True
+            self._swapped.set()
+
+    async def _pump_events(self) -> None:
         attempts = 0
         while True:
             session = self.session
@@ -271,6 +295,7 @@ class Connection:
             metrics.RESUMES.labels(outcome="failed").inc()
             return attempt < RESUME_ATTEMPTS and err.retryable
         metrics.RESUMES.labels(outcome="resumed").inc()
+        self._swapped.set()
         return True
 
     def _on_event(self, ev: session_pb2.ServerEvent) -> None:

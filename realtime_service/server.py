@@ -31,6 +31,7 @@ from websockets.http11 import Request, Response
 from duplex.client import DuplexClient, Session, turn_detection
 from duplex.client_lanes import Lanes
 from duplex.errors import DuplexError
+from duplex.files import WatchedFiles
 from duplex.serving import Slots
 from duplex.tls import ChannelCredentials, ClientTLS
 from realtime_service import metrics
@@ -39,6 +40,15 @@ from realtime_service.conversation import Settings
 from session_service.trust.auth import Authenticator
 
 log = logging.getLogger("duplex.realtime")
+
+#: How often the TLS files are checked for a rotation.
+TLS_RELOAD_CHECK_S = 30.0
+
+#: How long a close handshake waits for the client's answer.
+CLOSE_TIMEOUT_S = 5.0
+
+_WS_LOG = logging.getLogger("duplex.realtime.websockets")
+_WS_LOG.setLevel(logging.WARNING)
 
 #: The paths the API is served at (``base_url`` + ``/realtime``, as the SDKs build it).
 REALTIME_PATHS = ("/v1/realtime", "/realtime")
@@ -178,6 +188,7 @@ class EdgeServer:
         self._server: Server | None = None
         self._connections: set[ServerConnection] = set()
         self._all_gone = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
 
     # ---- admission ---------------------------------------------------------------------------
@@ -266,10 +277,25 @@ class EdgeServer:
     # ---- the server --------------------------------------------------------------------------
 
     def _ssl(self) -> ssl.SSLContext | None:
-        if self.config.tls_cert is None or self.config.tls_key is None:
+        cert, key = self.config.tls_cert, self.config.tls_key
+        if cert is None or key is None:
             return None
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        context.load_cert_chain(cert, key)
+        files = WatchedFiles([cert, key], what="the edge's TLS files")
+
+        async def reload() -> None:
+            # A rotated Secret changes the files in place: new handshakes use the new pair.
+            while True:
+                await asyncio.sleep(TLS_RELOAD_CHECK_S)
+                if files.refresh():
+                    try:
+                        context.load_cert_chain(cert, key)
+                        log.info("reloaded the TLS certificate from %s", cert)
+                    except (OSError, ssl.SSLError) as exc:
+                        log.warning("the TLS files changed but do not load (kept the old pair): %s", exc)
+
+        self._tasks.append(asyncio.create_task(reload(), name="realtime-tls-reload"))
         return context
 
     async def start(self) -> int:
@@ -282,6 +308,9 @@ class EdgeServer:
             ssl=self._ssl(),
             compression=None,
             server_header="duplex-realtime",
+            close_timeout=CLOSE_TIMEOUT_S,
+            # websockets logs every request at INFO, probes included: warnings only.
+            logger=_WS_LOG,
         )
         self.port = next(iter(self._server.sockets)).getsockname()[1]
         return self.port
@@ -294,9 +323,11 @@ class EdgeServer:
             self._all_gone.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_gone.wait(), self.config.drain_grace_s)
-        for ws in list(self._connections):
-            with contextlib.suppress(Exception):
-                await ws.close(CLOSE_GOING_AWAY, "server draining")
+        # All at once: a close handshake waits up to close_timeout for a client that does not answer.
+        closing = [ws.close(CLOSE_GOING_AWAY, "server draining") for ws in self._connections]
+        await asyncio.gather(*closing, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()

@@ -25,7 +25,7 @@ from realtime_service.connection import Limits
 from realtime_service.protocol import PCM24K
 from realtime_service.server import EdgeConfig, EdgeServer
 from session_service.trust.auth import Authenticator, TokenFile
-from tests.realtime_helpers import audio_of, read_until, sdk, send_audio, speech, types
+from tests.realtime_helpers import audio_of, read_until, sdk, send_audio, sending, speech, types
 from tests.session_helpers import InProcessStack, in_process_stack
 from tests.test_session_auth import write_tokens
 
@@ -344,3 +344,29 @@ async def test_the_edge_counts_its_connections_and_events(stack: InProcessStack)
         assert sample("duplex_realtime_connections") >= 1
     assert sample("duplex_realtime_connections_accepted_total") == accepted + 1
     assert sample("duplex_realtime_client_events_total", {"type": "AppendAudio"}) == appends + 10
+
+
+# ---- what the Realtime API has no word for -----------------------------------------------------
+
+
+@pytest.mark.stack(replicas=2)
+async def test_a_dropped_stream_to_the_session_service_is_resumed_unseen(stack: InProcessStack) -> None:
+    first, second = stack.sessions
+    target = f"ipv4:{first.address},{second.address}"  # pick_first: the first replica while it lives
+    resumed = sample("duplex_realtime_resumes_total", {"outcome": "resumed"})
+    async with edge(target) as server, sdk(url(server)).realtime.connect(model="parrot") as conn:
+        created = await conn.recv()
+        assert created.type == "session.created"
+        session_id = created.session.id
+        assert first.registry.get(session_id) is not None
+        # The replica holding the session goes away without a word (its process killed).
+        await first._server.stop(None)  # type: ignore[union-attr]
+        # The client goes on talking; its turn is answered from the other replica.
+        events: list[Any] = []
+        async with sending(conn, speech(PCM24K), PCM24K):
+            await read_until(conn, lambda e: e.type == "response.done", timeout_s=40, seen=events)
+        assert events[-1].response.status == "completed", types(events)
+        assert "error" not in types(events)
+        assert audio_of(events)
+        assert second.registry.get(session_id) is not None
+    assert sample("duplex_realtime_resumes_total", {"outcome": "resumed"}) > resumed
