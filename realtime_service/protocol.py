@@ -51,6 +51,7 @@ IGNORED_SESSION_FIELDS: Final = frozenset(
         "truncation",
         "parallel_tool_calls",
         "reasoning",
+        "voice",  # the beta's place for it; GA clients send audio.output.voice
     }
 )
 IGNORED_INPUT_FIELDS: Final = frozenset({"transcription", "noise_reduction"})
