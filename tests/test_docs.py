@@ -39,7 +39,7 @@ GENERATED = {
     "examples/hello.reply.wav",
 }
 # The repository's own top-level packages and folders a doc may name.
-OWN_PACKAGES = ("duplex", "session_service", "worker_service", "benchmarks", "tests", "deploy")
+OWN_PACKAGES = ("duplex", "session_service", "worker_service", "realtime_service", "benchmarks", "tests", "deploy")
 OWN_FOLDERS = (*OWN_PACKAGES, "proto", "examples", "docs")
 
 
@@ -104,8 +104,13 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     """``duplex <command>`` -> its argparse parser, built by the command's own module."""
     session_cli = importlib.import_module("session_service.api.cli")
     worker_cli = importlib.import_module("worker_service.cli")
+    realtime_cli = importlib.import_module("realtime_service.cli")
     session_build = getattr(session_cli, "build_parser", None) or session_cli._parser
-    return {"session": session_build(), "worker": worker_cli.build_parser()}
+    return {
+        "session": session_build(),
+        "worker": worker_cli.build_parser(),
+        "realtime": realtime_cli.build_parser(),
+    }
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
