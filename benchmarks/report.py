@@ -49,6 +49,27 @@ HEADLINE: list[tuple[str, str, str, float | None, int]] = [
         +1,
     ),
     ("first_audio_p99_ms_64", "end of speech -> first reply audio p99, 64 sessions (20 ms)", "ms", None, -1),
+    (
+        "realtime_edge_cpu_us_per_frame",
+        "Realtime edge CPU per 20 ms session-frame, 32 sessions",
+        "µs",
+        None,
+        -1,
+    ),
+    (
+        "realtime_edge_first_audio_p99_ms",
+        "end of speech -> first audio p99 through the Realtime edge, 32 sessions",
+        "ms",
+        None,
+        -1,
+    ),
+    (
+        "realtime_direct_first_audio_p99_ms",
+        "the same over direct gRPC (lanes of one ConverseMany stream)",
+        "ms",
+        None,
+        -1,
+    ),
     ("session_cpu_us_per_frame", "session service CPU per session-frame", "µs", 60, -1),
     (
         "session_cpu_us_per_frame_separate_acks",
@@ -181,6 +202,7 @@ def load_sections(results: Path) -> dict[str, Any]:
         "against_baseline",
         "worker_ceiling",
         "worker_ceiling_parrot",
+        "realtime_edge",
         "capacity",
     ):
         path = results / f"{name}.json"
@@ -322,6 +344,13 @@ def _issue21(sections: dict[str, Any]) -> dict[str, Any]:
         "grpc_echo_us_per_pair_20ms": _get(floor, "echo", "cpu_us_per_pair"),
         "first_audio_p99_ms_64": _get(step64, "first_audio_ms", "p99"),
         "first_audio_64_held": None if step64 is None else bool(step64.get("pass")),
+        "realtime_edge_cpu_us_per_frame": _get(
+            sections, "realtime_edge", "edge", "cpu_us_per_session_frame", "edge"
+        ),
+        "realtime_edge_first_audio_p99_ms": _get(sections, "realtime_edge", "edge", "first_audio_ms", "p99"),
+        "realtime_direct_first_audio_p99_ms": _get(
+            sections, "realtime_edge", "direct", "first_audio_ms", "p99"
+        ),
     }
     for k in ("64", "256", "1024"):
         h[f"worker_ceiling_us_per_frame_{k}"] = _get(null, "us_per_session_frame", k)

@@ -138,6 +138,12 @@ def sections(
                 120,
             ),
             (
+                "realtime_edge",
+                "the Realtime edge beside direct gRPC",
+                [*dev, "--sessions", "8", "--turns", "1"],
+                120,
+            ),
+            (
                 "capacity",
                 "capacity",
                 [
@@ -201,6 +207,12 @@ def sections(
             "the worker's ceiling: real-time sessions per worker process (null model, parrot)",
             [*dev, *ceiling, "--seconds", "2", "--warmup", "1", "--refine", "1"],
             300,
+        ),
+        (
+            "realtime_edge",
+            "the Realtime edge beside direct gRPC: CPU per session-frame, end of speech -> first audio",
+            [*dev, "--sessions", "32", "--turns", "2"],
+            180,
         ),
         (
             "capacity",
