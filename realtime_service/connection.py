@@ -76,6 +76,28 @@ class Limits:
     max_queued_bytes: int = 4 * 1024 * 1024
 
 
+#: What ends a session for good: trying to resume it cannot help.
+FINAL_CODES: Final = frozenset(
+    {
+        "unauthenticated",
+        "not_session_owner",
+        "session_closed",
+        "unknown_session",
+        "invalid_resume_token",
+        "model_mismatch",
+        "invalid_config",
+        "identity_not_allowed",
+    }
+)
+
+
+def resumable(err: DuplexError) -> bool:
+    """Whether the session may be resumed after ``err`` ended its stream. Any failure of the stream
+    itself may be resumed (also a CANCELLED that this edge did not cause: a replica that stopped
+    while a resume was in flight); the session's own end may not."""
+    return err.retryable or str(err.code) not in FINAL_CODES
+
+
 def close_code_for(err: DuplexError) -> int:
     """The WebSocket close code for a session that could not open or go on."""
     if err.retryable:
@@ -272,7 +294,7 @@ class Connection:
                 return
             except DuplexError as err:
                 if (
-                    err.retryable
+                    resumable(err)
                     and session.session_id
                     and not self._client_gone
                     and attempts < RESUME_ATTEMPTS
@@ -293,7 +315,7 @@ class Connection:
         except DuplexError as err:
             log.info("resume of %s failed (attempt %d): %s", session.session_id, attempt, err)
             metrics.RESUMES.labels(outcome="failed").inc()
-            return attempt < RESUME_ATTEMPTS and err.retryable
+            return attempt < RESUME_ATTEMPTS and resumable(err)
         metrics.RESUMES.labels(outcome="resumed").inc()
         self._swapped.set()
         return True

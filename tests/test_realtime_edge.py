@@ -370,3 +370,22 @@ async def test_a_dropped_stream_to_the_session_service_is_resumed_unseen(stack: 
         assert audio_of(events)
         assert second.registry.get(session_id) is not None
     assert sample("duplex_realtime_resumes_total", {"outcome": "resumed"}) > resumed
+
+
+@pytest.mark.stack(replicas=2)
+async def test_a_draining_replica_hands_the_session_over_unseen(stack: InProcessStack) -> None:
+    first, second = stack.sessions
+    target = f"ipv4:{first.address},{second.address}"
+    async with edge(target) as server, sdk(url(server)).realtime.connect(model="parrot") as conn:
+        created = await conn.recv()
+        session_id = created.session.id
+        # A rolling update: the replica drains (go_away to its clients), then stops.
+        drained = asyncio.create_task(first.drain())
+        await asyncio.wait_for(drained, 15)
+        await asyncio.wait_for(first.stop(), 15)
+        events: list[Any] = []
+        async with sending(conn, speech(PCM24K), PCM24K):
+            await read_until(conn, lambda e: e.type == "response.done", timeout_s=40, seen=events)
+        assert events[-1].response.status == "completed", types(events)
+        assert "error" not in types(events)
+        assert second.registry.get(session_id) is not None
