@@ -39,7 +39,15 @@ GENERATED = {
     "examples/hello.reply.wav",
 }
 # The repository's own top-level packages and folders a doc may name.
-OWN_PACKAGES = ("duplex", "session_service", "worker_service", "realtime_service", "benchmarks", "tests", "deploy")
+OWN_PACKAGES = (
+    "duplex",
+    "session_service",
+    "worker_service",
+    "realtime_service",
+    "benchmarks",
+    "tests",
+    "deploy",
+)
 OWN_FOLDERS = (*OWN_PACKAGES, "proto", "examples", "docs")
 
 
