@@ -81,7 +81,7 @@ async def test_without_a_window_the_link_keeps_no_record_of_who_submits() -> Non
     link = _link(0.0)
     for i in range(100):
         link.submit([worker_pb2.Submission(request_id=f"s{i}")])
-    assert link._senders == set()  # nothing to look at: it must not grow with every session
+    assert link.pacer.senders == set()  # nothing to look at: it must not grow with every session
 
 
 def test_the_write_window_flag_is_bounded() -> None:
@@ -96,7 +96,7 @@ def test_the_write_window_flag_is_bounded() -> None:
 
 
 def test_next_tick_is_the_first_one_not_past_and_never_one_already_written_for() -> None:
-    from session_service.workers.link import next_tick
+    from session_service.workers.write_pacing import next_tick
 
     assert next_tick(now=10.0, announced=10.5, period=1.0, written_for=0.0) == 10.5
     # Announced ticks are projected forward a period at a time.
@@ -119,12 +119,12 @@ async def _clocked(subs_then_abort: bool) -> tuple[list[worker_pb2.WorkerCommand
 
     call.write = write  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
-    link._period = 0.5
-    link._tick_at = loop.time() + 0.3
+    link.pacer.period = 0.5
+    link.pacer.tick_at = loop.time() + 0.3
     sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
     try:
         # Warm: several sessions submit, so the link waits for others (a lone one would not).
-        link._shared, link._senders_since = True, loop.time()
+        link.pacer.shared, link.pacer.senders_since = True, loop.time()
         t0 = loop.time()
         futures = []
         for sid in ("s1", "s2", "s3"):
@@ -159,11 +159,11 @@ async def test_a_control_submission_does_not_wait_for_the_tick() -> None:
     control work as it comes, and a reply starts sooner."""
     link, call = _link(0.002), _Recorder()
     loop = asyncio.get_running_loop()
-    link._period = 0.5
-    link._tick_at = loop.time() + 0.4
+    link.pacer.period = 0.5
+    link.pacer.tick_at = loop.time() + 0.4
     sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
     try:
-        link._shared, link._senders_since = True, loop.time()
+        link.pacer.shared, link.pacer.senders_since = True, loop.time()
         t0 = loop.time()
         first = link.submit([worker_pb2.Submission(request_id="s1", kind=worker_pb2.SUBMISSION_KIND_APPEND)])
         await asyncio.sleep(0.02)

@@ -1,11 +1,9 @@
 """A link to one worker: its channel, its description and this replica's one Run stream to it.
 
 The link's sender task coalesces every pending submission, abort and release into ONE
-``WorkerCommand`` per loop iteration (the hop is never one message per frame). Against a worker
-on a frame clock (its steps carry ``next_tick_us``) and while several sessions submit, it writes
-at most twice per tick, the last a little ahead of it (``TICK_LEAD``, ``WRITES_PER_TICK``): the
-sessions' frames of a tick travel in one or two commands, not one each. An abort (a barge-in)
-goes at once, and a lone session's input is never held back. Its reader hands each ``StepOutput``
+``WorkerCommand`` per loop iteration (the hop is never one message per frame), written at the
+worker's tick's write point (``write_pacing``: at most twice per tick against a frame clock; an
+abort or a control submission at once; a lone session never held back). Its reader hands each ``StepOutput``
 to the router. A link that loses its stream is unhealthy at once, tells the router (its sessions
 get ``worker_unavailable`` and move on their next submission), then reconnects with jittered
 backoff; the channel's own reconnect backoff is capped the same way, so a worker restarted after a
@@ -43,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -61,25 +58,12 @@ from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_wor
 from session_service.workers.kept_releases import KeptReleases
 from session_service.workers.liveness import Liveness, WorkerStalledError
 from session_service.workers.placement import worker_key
+from session_service.workers.write_pacing import WritePacer
 
 log = logging.getLogger(__name__)
 
 #: First wait before reconnecting to a lost worker (doubles, jittered, up to ``backoff_max_s``).
 BACKOFF_INITIAL_S = 0.1
-
-#: How often a link looks at how many sessions submit on it (write coalescing only pays when
-#: several do).
-_SENDERS_LOOK_S = 0.1
-
-#: How far ahead of the worker's next tick (a fraction of its frame period) a link writes its
-#: command for the tick: room for the hop and the worker's handling of the command.
-TICK_LEAD = 0.15
-
-#: Commands written per worker tick (at most): the last TICK_LEAD before the tick, the others
-#: evenly before it. More than one because a session's runner waits for its submission to be
-#: written before it takes its next input: written once per tick, a session whose appends once
-#: came two between writes would stay a frame behind for good; twice, it catches up.
-WRITES_PER_TICK = 2
 
 #: Default stall timeout of a link (``ServiceConfig.worker_stall_timeout_s``); 0 turns it off.
 DEFAULT_STALL_TIMEOUT_S = 3.0
@@ -96,27 +80,10 @@ def _nothing(link: WorkerLink) -> None:
     pass
 
 
-def next_tick(now: float, announced: float, period: float, written_for: float) -> float:
-    """The worker tick a command written from ``now`` is for: the first one not yet past,
-    projected from the ``announced`` one a period at a time, and never one a command was already
-    ``written_for`` (what arrives after that write waits for the next tick)."""
-    tick = announced
-    if tick < now:
-        tick += period * math.ceil((now - tick) / period)
-    if tick - written_for < period / 2:
-        tick += period
-    return tick
-
-
 #: Submissions the worker applies as they come (not model steps): written at once.
 _CONTROL = frozenset(
     {worker_pb2.SUBMISSION_KIND_COMMIT, worker_pb2.SUBMISSION_KIND_RESPOND, worker_pb2.SUBMISSION_KIND_CLEAR}
 )
-
-
-def _wake_nap(nap: asyncio.Future[None]) -> None:
-    if not nap.done():
-        nap.set_result(None)
 
 
 def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
@@ -170,12 +137,8 @@ class WorkerLink:
         the pool's one-link-per-worker-id rule (``placement.WorkerPool.claim``);
         ``write_coalesce_s``: how long the sender waits, once woken, for more submissions to join
         the command (0: write at once; see ``ServiceConfig.worker_write_coalesce_ms``)."""
-        self._write_coalesce_s = write_coalesce_s
-        self._senders: set[str] = set()
-        """Sessions that submitted since ``_senders_since`` (is there anyone to wait for?)."""
-        self._senders_since = 0.0
-        self._shared = False
-        """Whether more than one session submitted in the last look (``_worth_waiting``)."""
+        self.pacer = WritePacer(write_coalesce_s)
+        """When the next command is written (the worker's tick's write point)."""
         self.address = address
         self._tls_name = tls_name
         self._claim = claim
@@ -207,14 +170,6 @@ class WorkerLink:
         self._attaching: Counter[str] = Counter()
         """Sessions with an Attach in flight on this link (reconciliation leaves them alone)."""
         self._wake = asyncio.Event()
-        self._nap: asyncio.Future[None] | None = None
-        """The sender's wait for the tick's write point (an abort ends it early)."""
-        self._tick_at = 0.0
-        """Loop time of the worker's next tick as its last step said (0: no frame clock)."""
-        self._period = 0.0
-        """The worker's frame period in seconds (from Describe)."""
-        self._written_for = 0.0
-        """The tick the last command was written for (the next one waits for the tick after)."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.commands_sent = 0
@@ -271,15 +226,14 @@ class WorkerLink:
             log.debug("worker %s: no stream: submission refused", self.address)
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, UNAVAILABLE_MESSAGE)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if subs and self._write_coalesce_s > 0:
-            self._senders.add(subs[0].request_id)
+        if subs:
+            self.pacer.submitted(subs[0].request_id)
         pending = self._pending
         pending.submit.extend(subs)
         pending.futures.append(fut)
         if not pending.urgent and any(s.kind in _CONTROL for s in subs):
             pending.urgent = True
-            if self._nap is not None and not self._nap.done():
-                self._nap.set_result(None)
+            self.pacer.cut_short()
         self._wake.set()
         return fut
 
@@ -287,8 +241,7 @@ class WorkerLink:
         if self._healthy:
             self._pending.abort.append(abort)
             self._wake.set()
-            if self._nap is not None and not self._nap.done():
-                self._nap.set_result(None)  # a barge-in does not wait for the tick
+            self.pacer.cut_short()  # a barge-in does not wait for the tick
 
     def release(self, release: worker_pb2.Release) -> None:
         """Release a session at the worker: with the next command, or, while the link has no
@@ -362,7 +315,7 @@ class WorkerLink:
                 self.description = desc
                 self.worker_id = worker_id
                 rate = desc.audio_format.sample_rate_hz
-                self._period = desc.frame_samples / rate if rate and desc.frame_samples else 0.0
+                self.pacer.period = desc.frame_samples / rate if rate and desc.frame_samples else 0.0
                 if self._claim(self, worker_id):
                     await self._serve_stream()
                 else:
@@ -401,7 +354,7 @@ class WorkerLink:
             self._kept.keep([r for r in kept if r.fence.session_id not in self._kept], count=False)
             raise
         self.generation += 1
-        self._tick_at = 0.0  # a new stream (maybe a restarted worker): its clock is not known yet
+        self.pacer.new_stream()
         self.liveness.reset()
         self._healthy = True
         if self._kept:  # released while the first command was being written
@@ -444,14 +397,14 @@ class WorkerLink:
         self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
     ) -> None:
         heard = self.liveness.heard
-        loop = asyncio.get_running_loop()
+        heard_tick = self.pacer.heard_tick
         while True:
             step = await call.read()
             if not isinstance(step, worker_pb2.StepOutput):  # grpc.aio.EOF
                 raise ConnectionError("worker closed the Run stream")
             heard(step)
             if step.next_tick_us:
-                self._tick_at = loop.time() + step.next_tick_us / 1e6
+                heard_tick(step.next_tick_us)
             try:
                 self._on_step(self, step)
             except Exception:
@@ -492,16 +445,16 @@ class WorkerLink:
     async def _send_loop(
         self, call: grpc.aio.StreamStreamCall[worker_pb2.WorkerCommand, worker_pb2.StepOutput]
     ) -> None:
-        coalesce = self._write_coalesce_s
+        pacer = self.pacer
         while True:
             await self._wake.wait()
             pending = self._pending
-            if coalesce > 0 and not (pending.abort or pending.urgent) and self._worth_waiting():
+            if not (pending.abort or pending.urgent) and pacer.worth_waiting():
                 # Every WorkerCommand is a syscall and a wake-up on both ends: submissions of
                 # sessions that arrive within the window share one (and the worker's next step).
                 # Against a frame clock the window runs to just before the next tick: one
                 # command per tick. An abort (a barge-in) goes at once.
-                await self._until_write_point(coalesce)
+                await pacer.until_write_point()
             self._wake.clear()
             pending, self._pending = self._pending, _Pending()
             if not (pending.submit or pending.abort or pending.release):
@@ -528,38 +481,6 @@ class WorkerLink:
             for fut in pending.futures:
                 if not fut.done():
                     fut.set_result(None)
-
-    async def _until_write_point(self, coalesce: float) -> None:
-        """Wait until the command should be written: ``TICK_LEAD`` before the worker's next
-        tick (projected from the last one it announced), or ``coalesce`` without a clock; an
-        abort ends the wait."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        delay = coalesce
-        if self._tick_at and self._period:
-            point = next_tick(now, self._tick_at, self._period / WRITES_PER_TICK, self._written_for)
-            self._written_for = point
-            delay = point - TICK_LEAD * self._period - now
-        if delay <= 0:
-            return
-        nap = self._nap = loop.create_future()
-        timer = loop.call_later(delay, _wake_nap, nap)
-        try:
-            await nap
-        finally:
-            timer.cancel()
-            self._nap = None
-
-    def _worth_waiting(self) -> bool:
-        """Whether other sessions may join a command within the window: more than one session
-        submitted on this link in the last tenth of a second. A lone session (nobody to wait
-        for) is written at once, so coalescing never slows it down."""
-        now = asyncio.get_running_loop().time()
-        if now - self._senders_since >= _SENDERS_LOOK_S:
-            self._shared = len(self._senders) > 1
-            self._senders.clear()
-            self._senders_since = now
-        return self._shared
 
     def _lose(self) -> None:
         was = self._healthy
