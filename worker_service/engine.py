@@ -38,7 +38,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Final
 
@@ -47,8 +46,7 @@ import torch
 
 from duplex.errors import DuplexError, ErrorCode
 from duplex.fence import Fence
-from duplex.sparse import InvalidSparseDeclaration, record_fail_closed, typed_audio_payloads
-from duplex.v1 import common_pb2, worker_pb2
+from duplex.v1 import common_pb2
 from worker_service.config import CLOCKS, Clock
 from worker_service.engine_types import (
     APPEND,
@@ -67,8 +65,9 @@ from worker_service.engine_types import (
     Work,
 )
 from worker_service.metrics import ACTIVE_REQUESTS, BATCH_SIZE, FENCED, QUEUE_DEPTH, STEP_DURATION
-from worker_service.model import AUDIO, FloatArray, RequestNews, StepBatch, StepModel
+from worker_service.model import FloatArray, StepBatch, StepModel
 from worker_service.sparse_adapter import adapt_multimodal_outputs
+from worker_service.step_outputs import Request, collect_news, route_audio
 
 # The types moved to ``engine_types``: re-exported, so ``from worker_service.engine import ...`` works.
 __all__ = ["APPEND", "CLEAR", "COMMIT", "RESPOND", "AbortOlder", "Engine", "EngineCommand", "EngineDeadError"]
@@ -85,27 +84,6 @@ CATCH_UP_BUDGET: Final = 0.5
 #: Frame clock: a request with at least this many input frames left after the tick's step is
 #: behind (one left is the jitter of arrivals around the tick, caught up as it comes).
 CATCH_UP_BACKLOG: Final = 2
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    session_id: str
-    owner: str
-    request_id: str
-    state: Any
-    counter: QueueCounter
-    queue: deque[Work] = field(default_factory=deque)
-    epoch: int = 0
-    input_fence: Fence | None = None
-    reply_fence: Fence | None = None
-    seq_done: int = 0
-    seq_reported: int = 0
-    input_replay: bool = False
-    """The frame taken last came from a replayed APPEND."""
-
-    def input_frames(self) -> int:
-        """Input frames queued (the queue is a few submissions long)."""
-        return sum(len(w.frames) - w.pos for w in self.queue if w.frames is not None)
 
 
 def _error(work: Work, err: DuplexError) -> Update:
@@ -148,8 +126,8 @@ class Engine:
         self.model: StepModel[Any] | None = None
         self.dead: BaseException | None = None
         # Engine-thread state.
-        self._requests: dict[str, _Request] = {}
-        self._runnable: OrderedDict[str, _Request] = OrderedDict()
+        self._requests: dict[str, Request] = {}
+        self._runnable: OrderedDict[str, Request] = OrderedDict()
         self._queued_units = 0
         self._step_no = 0
         self._next_step_at = 0.0
@@ -292,7 +270,7 @@ class Engine:
                 cmd.counter.retired += work.units
                 news.setdefault(work.owner, []).append(_error(work, self._model_failure(exc)))
                 return
-            req = self._requests[sid] = _Request(sid, work.owner, work.request_id, state, cmd.counter)
+            req = self._requests[sid] = Request(sid, work.owner, work.request_id, state, cmd.counter)
         if work.fence.epoch < req.epoch:
             # Fenced on the asyncio side already; kept as a guard for the invariant.
             cmd.counter.retired += work.units
@@ -318,7 +296,7 @@ class Engine:
             if not req.queue and not model.is_responding(req.state):
                 self._runnable.pop(req.session_id, None)
 
-    def _drop_older(self, model: StepModel[Any], req: _Request, epoch: int) -> None:
+    def _drop_older(self, model: StepModel[Any], req: Request, epoch: int) -> None:
         req.epoch = epoch
         # Append sequence numbers restart with the epoch.
         req.seq_done = req.seq_reported = 0
@@ -360,7 +338,7 @@ class Engine:
         return DuplexError(ErrorCode.MODEL_ERROR, "the model failed on this request")
 
     def _prepare(
-        self, model: StepModel[Any], req: _Request, news: dict[str, list[Update]]
+        self, model: StepModel[Any], req: Request, news: dict[str, list[Update]]
     ) -> FloatArray | None:
         """Run the request's leading control submissions; take at most one input frame."""
         while req.queue:
@@ -402,7 +380,7 @@ class Engine:
                 news.setdefault(work.owner, []).append(_error(work, self._model_failure(exc)))
         return None
 
-    def _select(self) -> list[_Request]:
+    def _select(self) -> list[Request]:
         runnable = self._runnable
         if len(runnable) <= self._max_batch:
             return list(runnable.values())
@@ -435,7 +413,7 @@ class Engine:
         return out
 
     def _step_all(
-        self, model: StepModel[Any], news: dict[str, list[Update]], reqs: list[_Request]
+        self, model: StepModel[Any], news: dict[str, list[Update]], reqs: list[Request]
     ) -> list[tuple[str, OwnerStep]]:
         """Step ``reqs`` in batches of at most ``max_batch``."""
         size = self._max_batch
@@ -447,10 +425,10 @@ class Engine:
         return out
 
     def _step(
-        self, model: StepModel[Any], news: dict[str, list[Update]], chosen: list[_Request]
+        self, model: StepModel[Any], news: dict[str, list[Update]], chosen: list[Request]
     ) -> list[tuple[str, OwnerStep]]:
         t0 = time.perf_counter()
-        batch: list[_Request] = []
+        batch: list[Request] = []
         fences: list[Fence] = []
         rows: list[FloatArray | None] = []
         replayed: list[bool] = []
@@ -498,8 +476,8 @@ class Engine:
             if out is None:
                 out = per_owner[req.owner] = OwnerStep(step=self._step_no, output_type=outputs.output_type)
             out.batch.append((req.request_id, fence))
-        self._route_audio(outputs, batch, per_owner)
-        self._collect_news(model, batch, fences, replayed, result.news, per_owner)
+        route_audio(outputs, batch, per_owner)
+        collect_news(model, batch, fences, replayed, result.news, per_owner)
         for req in batch:
             if req.reply_fence is not None and not model.is_responding(req.state):
                 req.reply_fence = None
@@ -508,72 +486,3 @@ class Engine:
         BATCH_SIZE.observe(size)
         STEP_DURATION.observe(time.perf_counter() - t0)
         return list(per_owner.items())
-
-    def _collect_news(
-        self,
-        model: StepModel[Any],
-        batch: list[_Request],
-        fences: list[Fence],
-        replayed: list[bool],
-        step_news: list[RequestNews | None],
-        per_owner: dict[str, OwnerStep],
-    ) -> None:
-        if len(step_news) != len(batch):
-            raise RuntimeError(f"model returned news for {len(step_news)} of {len(batch)} requests")
-        for req, fence, was_replay, n in zip(batch, fences, replayed, step_news, strict=True):
-            if was_replay and n is not None and n.error is None:
-                # The worker that first consumed this input reported what the model heard in it.
-                n.vad, n.text, n.turn_ended, n.committed_samples = [], "", False, 0
-                if not (n.response_started or n.response_finished):
-                    n = None
-            seq_changed = req.seq_done != req.seq_reported
-            if n is None and not seq_changed:
-                continue
-            upd = Update(req.request_id, fence)
-            if n is not None and n.error is not None:
-                logger.warning("model error on a request: %s", n.error)
-                upd.error = (ErrorCode.MODEL_ERROR.value, "the model failed on this request")
-                if req.reply_fence is not None:
-                    model.cancel_response(req.state)
-            else:
-                if seq_changed:
-                    upd.input_seq = req.seq_reported = req.seq_done
-                if n is not None:
-                    upd.vad = n.vad
-                    upd.text = n.text
-                    upd.turn_ended = n.turn_ended
-                    upd.committed_samples = n.committed_samples
-                    upd.response_started = n.response_started
-                    upd.response_finished = n.response_finished
-            per_owner[req.owner].updates.append(upd)
-
-    def _route_audio(
-        self, outputs: worker_pb2.MultimodalOutputs, batch: list[_Request], per_owner: dict[str, OwnerStep]
-    ) -> None:
-        """Slice the step's payloads per owner (sparse stays sparse, dense keeps positions).
-
-        A typed declaration that does not line up fails closed here like a legacy one does in
-        the adapter (``duplex.sparse.typed_audio_payloads`` is the check the session service's
-        router runs too): the step routes no payload at all.
-        """
-        if outputs.output_type != AUDIO:
-            return
-        try:
-            payloads = typed_audio_payloads(outputs, [r.session_id for r in batch])
-        except InvalidSparseDeclaration as err:
-            record_fail_closed(err, site="worker_engine")
-            for out in per_owner.values():
-                out.sparse, out.audio_ids, out.audio = True, [], []
-            return
-        if not outputs.sparse_audio:
-            for out in per_owner.values():
-                out.sparse = False
-            for req in batch:
-                per_owner[req.owner].audio.append(payloads[req.session_id])
-            return
-        for req in batch:
-            payload = payloads.get(req.session_id)
-            if payload is not None:
-                out = per_owner[req.owner]
-                out.audio_ids.append(req.request_id)
-                out.audio.append(payload)

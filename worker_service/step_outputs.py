@@ -1,0 +1,118 @@
+"""The engine's per-request state, and what a step hands each owner: news and audio.
+
+The engine thread builds one ``OwnerStep`` per owner from a batched step: ``route_audio`` slices
+the step's payloads per owner (sparse stays sparse), ``collect_news`` turns the model's per-request
+news into updates (a replayed frame's VAD and text are not reported twice). Only the engine
+thread calls these.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from duplex.errors import ErrorCode
+from duplex.fence import Fence
+from duplex.sparse import InvalidSparseDeclaration, record_fail_closed, typed_audio_payloads
+from duplex.v1 import worker_pb2
+from worker_service.engine_types import OwnerStep, QueueCounter, Update, Work
+from worker_service.model import AUDIO, RequestNews, StepModel
+
+logger = logging.getLogger("worker_service.engine")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request as the engine thread holds it (only that thread touches it)."""
+
+    session_id: str
+    owner: str
+    request_id: str
+    state: Any
+    counter: QueueCounter
+    queue: deque[Work] = field(default_factory=deque)
+    epoch: int = 0
+    input_fence: Fence | None = None
+    reply_fence: Fence | None = None
+    seq_done: int = 0
+    seq_reported: int = 0
+    input_replay: bool = False
+    """The frame taken last came from a replayed APPEND."""
+
+    def input_frames(self) -> int:
+        """Input frames queued (the queue is a few submissions long)."""
+        return sum(len(w.frames) - w.pos for w in self.queue if w.frames is not None)
+
+
+def collect_news(
+    model: StepModel[Any],
+    batch: list[Request],
+    fences: list[Fence],
+    replayed: list[bool],
+    step_news: list[RequestNews | None],
+    per_owner: dict[str, OwnerStep],
+) -> None:
+    """Each request's news from the step as an update to its owner (with the input it consumed);
+    the news of a replayed frame was reported by the worker that first heard it."""
+    if len(step_news) != len(batch):
+        raise RuntimeError(f"model returned news for {len(step_news)} of {len(batch)} requests")
+    for req, fence, was_replay, n in zip(batch, fences, replayed, step_news, strict=True):
+        if was_replay and n is not None and n.error is None:
+            # The worker that first consumed this input reported what the model heard in it.
+            n.vad, n.text, n.turn_ended, n.committed_samples = [], "", False, 0
+            if not (n.response_started or n.response_finished):
+                n = None
+        seq_changed = req.seq_done != req.seq_reported
+        if n is None and not seq_changed:
+            continue
+        upd = Update(req.request_id, fence)
+        if n is not None and n.error is not None:
+            logger.warning("model error on a request: %s", n.error)
+            upd.error = (ErrorCode.MODEL_ERROR.value, "the model failed on this request")
+            if req.reply_fence is not None:
+                model.cancel_response(req.state)
+        else:
+            if seq_changed:
+                upd.input_seq = req.seq_reported = req.seq_done
+            if n is not None:
+                upd.vad = n.vad
+                upd.text = n.text
+                upd.turn_ended = n.turn_ended
+                upd.committed_samples = n.committed_samples
+                upd.response_started = n.response_started
+                upd.response_finished = n.response_finished
+        per_owner[req.owner].updates.append(upd)
+
+
+def route_audio(
+    outputs: worker_pb2.MultimodalOutputs, batch: list[Request], per_owner: dict[str, OwnerStep]
+) -> None:
+    """Slice the step's payloads per owner (sparse stays sparse, dense keeps positions).
+
+    A typed declaration that does not line up fails closed here like a legacy one does in
+    the adapter (``duplex.sparse.typed_audio_payloads`` is the check the session service's
+    router runs too): the step routes no payload at all.
+    """
+    if outputs.output_type != AUDIO:
+        return
+    try:
+        payloads = typed_audio_payloads(outputs, [r.session_id for r in batch])
+    except InvalidSparseDeclaration as err:
+        record_fail_closed(err, site="worker_engine")
+        for out in per_owner.values():
+            out.sparse, out.audio_ids, out.audio = True, [], []
+        return
+    if not outputs.sparse_audio:
+        for out in per_owner.values():
+            out.sparse = False
+        for req in batch:
+            per_owner[req.owner].audio.append(payloads[req.session_id])
+        return
+    for req in batch:
+        payload = payloads.get(req.session_id)
+        if payload is not None:
+            out = per_owner[req.owner]
+            out.audio_ids.append(req.request_id)
+            out.audio.append(payload)
