@@ -110,6 +110,8 @@ CHUNK_S = 0.020
 TRAIL_S = 1.0
 PAUSE_S = 0.3
 REPLY_TIMEOUT_S = 8.0
+#: Events (but audio and acks) each caller keeps for the report of a lost turn.
+TIMELINE_EVENTS = 200
 GRACE_S = 15.0
 RESUME_WINDOW_S = 20.0
 STOP_S = 5.0
@@ -385,6 +387,18 @@ class Turn:
     in_flight_at_end: bool = False
 
 
+def _describe(ev: session_pb2.ServerEvent) -> str:
+    """An event in one line: its kind and its fields (bytes and tokens left out)."""
+    kind = ev.WhichOneof("event") or "?"
+    body = getattr(ev, kind)
+    fields = []
+    for field_desc, value in body.ListFields():
+        if field_desc.name in ("pcm", "resume_token", "capabilities", "config"):
+            continue
+        fields.append(f"{field_desc.name}={value}".replace("\n", " ").strip())
+    return f"{kind}({', '.join(fields)})"
+
+
 @dataclass
 class Target:
     name: str
@@ -437,6 +451,9 @@ class Caller:
         self.anomalies: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_id = 0
+        self.timeline: deque[tuple[float, str]] = deque(maxlen=TIMELINE_EVENTS)
+        """The latest events of this session but audio and acks, with when they came: what a
+        lost turn's entry in the report shows."""
 
     def _event_id(self) -> str:
         self._next_id += 1
@@ -606,6 +623,8 @@ class Caller:
 
     def _on_event(self, ev: session_pb2.ServerEvent) -> None:
         kind = ev.WhichOneof("event")
+        if kind not in ("audio_delta", "input_ack"):
+            self.timeline.append((self.now(), _describe(ev)))
         ack = ev.input_ack if kind == "input_ack" else ev.carried_ack if ev.HasField("carried_ack") else None
         if ack is not None:
             if ack.epoch != self.epoch:
@@ -1005,7 +1024,9 @@ def evaluate(
                 lost.append(
                     {
                         "session": c.index,
+                        "session_id": c.session_id,
                         "turn": t.index,
+                        "started_at": round(t.started, 3),
                         "spoken_at": round(t.spoken, 3),
                         "turn_ids": t.turn_ids,
                         "responses": [
@@ -1013,6 +1034,11 @@ def evaluate(
                             f"{':' + c.responses[rid].reason if c.responses[rid].reason else ''}"
                             f"{judged.get(rid, '')}"
                             for rid in t.responses
+                        ],
+                        "events": [
+                            f"{at:.3f} {text}"
+                            for at, text in c.timeline
+                            if t.started - 1.0 <= at <= (t.spoken or t.started) + REPLY_TIMEOUT_S
                         ],
                     }
                 )
@@ -1142,7 +1168,10 @@ def summary(report: dict[str, Any], out: IO[str]) -> None:
     for w in r["wrong"]:
         print(f"  WRONG SESSION: {w}", file=out)
     for lost in r["lost"]:
-        print(f"  lost: {lost}", file=out)
+        events = lost.get("events", [])
+        print(f"  lost: { {k: v for k, v in lost.items() if k != 'events'} }", file=out)
+        for event in events:
+            print(f"      {event}", file=out)
     print(f"  timing: {r['timing']}; logs in {r['logs']}", file=out)
 
 
