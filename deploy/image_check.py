@@ -18,9 +18,12 @@ its own under /var/tmp that is removed at the end, so nothing else's images are 
    revision labels, a numeric non-root user.
 4. The stack: each image's ENTRYPOINT run in a container of it (``buildah from`` + ``buildah run
    --isolation chroot``, as the image's user) on loopback ports, health awaited, then
-   ``duplex talk examples/hello.wav`` (the host's) through it; the reply must be non-empty audio,
-   and neither container may have had a file written outside /tmp (buildah run has no read-only
-   root, so this stands in for the pods' readOnlyRootFilesystem).
+   ``duplex talk examples/hello.wav`` (the host's) through it; the reply must be non-empty audio.
+   Then ``duplex realtime`` from the session image in front of that session service, its
+   ``/healthz`` awaited, and one turn through it over WebSocket (Realtime JSON events, 24 kHz PCM):
+   ``response.done`` ``completed`` with over a second of audio. No container may have had a file
+   written outside /tmp (buildah run has no read-only root, so this stands in for the pods'
+   readOnlyRootFilesystem).
 5. Cleanup: the processes it started (by pid), every container and image, the storage.
 
 Exit 0 when every check passes, 1 otherwise. The debootstrap tar and the torch wheel stay under
@@ -43,6 +46,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -397,6 +402,67 @@ def check_reply(path: Path) -> str:
     return f"{frames} frames at {rate} Hz ({frames / rate:.2f} s), peak {peak}"
 
 
+def wait_http_ok(name: str, url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Poll a plain HTTP probe (the Realtime edge's /healthz) until it answers 200."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise CheckFailed(f"{name} exited with code {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    log(f"{name}: {url} answers 200")
+                    return
+                last = str(response.status)
+        except (OSError, urllib.error.URLError) as exc:
+            last = str(exc)
+        time.sleep(0.25)
+    raise CheckFailed(f"{name}: {url} not healthy after {timeout_s:.0f} s ({last})")
+
+
+def realtime_turn(address: str, timeout_s: float) -> str:
+    """One turn through the Realtime edge at ``address`` (plain WebSocket JSON events):
+    examples/hello.wav as 24 kHz PCM16 appends and silence; returns what came back, or raises
+    ``CheckFailed``."""
+    import asyncio
+    import base64
+
+    import websockets
+
+    from duplex.audio import S16LE, PcmFormat
+    from duplex.client import load_wav_as
+
+    fmt = PcmFormat(S16LE, 24_000, 1)
+    pcm = load_wav_as(ROOT / "examples" / "hello.wav", fmt) + bytes(fmt.bytes_for_ms(1500))
+    step = fmt.bytes_for_ms(20)
+
+    async def turn() -> str:
+        async with websockets.connect(f"ws://{address}/v1/realtime?model=parrot", max_size=None) as ws:
+            first = json.loads(await ws.recv())
+            if first["type"] != "session.created":
+                raise CheckFailed(f"realtime: expected session.created, got {first['type']}")
+            for i in range(0, len(pcm), step):
+                chunk = base64.b64encode(pcm[i : i + step]).decode()
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+            audio = 0
+            async for message in ws:
+                event = json.loads(message)
+                if event["type"] == "response.output_audio.delta":
+                    audio += len(base64.b64decode(event["delta"]))
+                elif event["type"] == "error":
+                    raise CheckFailed(f"realtime: error event {event['error']}")
+                elif event["type"] == "response.done":
+                    status = event["response"]["status"]
+                    seconds = audio / fmt.frame_bytes / fmt.sample_rate_hz
+                    if status != "completed" or seconds < 1.0:
+                        raise CheckFailed(f"realtime: response {status} with {seconds:.2f} s of audio")
+                    return f"response.done completed, {seconds:.2f} s of 24 kHz audio"
+            raise CheckFailed("realtime: the connection ended before response.done")
+
+    return asyncio.run(asyncio.wait_for(turn(), timeout_s))
+
+
 def is_server(pid: int) -> bool:
     """A duplex process (not buildah-chroot-runtime or buildah-chroot-exec, which carry its argv)."""
     try:
@@ -601,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
             name: b.container(built[name], f"duplex-image-check-{name}-{os.getpid()}")
             for name in ("session", "worker-cpu")
         }
-        user = {name: facts[name].user for name in ctrs}
+        # The Realtime edge runs from the session image (`duplex realtime`: the base install).
+        ctrs["realtime"] = b.container(built["session"], f"duplex-image-check-realtime-{os.getpid()}")
+        user = {name: facts["session" if name == "realtime" else name].user for name in ctrs}
         probe = (
             "import os, sys\ntry:\n import torch\nexcept ImportError as e:\n"
             " print('no torch:', e); sys.exit(3)\nprint('torch', torch.__version__, 'uid', os.getuid())"
@@ -622,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
             if proc.returncode != want or (name == "worker-cpu" and "+cpu" not in proc.stdout):
                 raise CheckFailed(f"{name}: unexpected torch probe result {proc.returncode}: {out[-5:]}")
         started = time.time() - 1
-        ports = {k: free_port() for k in ("worker", "worker_health", "session", "session_health")}
+        ports = {k: free_port() for k in ("worker", "worker_health", "session", "session_health", "realtime")}
         logs = WORK / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         stack = (
@@ -705,6 +773,32 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0:
             raise CheckFailed(f"duplex talk exited {proc.returncode}")
         log(f"talk: the reply {reply.relative_to(ROOT)}: {check_reply(reply)}")
+        # The Realtime edge from the session image, in front of the image-run session service.
+        entry = facts["session"].entrypoint
+        edge_argv = [
+            *(entry[:-1] if entry and entry[-1] == "session" else ["duplex"]),
+            "realtime",
+            "--session",
+            f"127.0.0.1:{ports['session']}",
+            "--listen",
+            f"127.0.0.1:{ports['realtime']}",
+            "--metrics-port",
+            "0",
+        ]
+        argv = b.run_argv(ctrs["realtime"], user["realtime"], edge_argv)
+        with (logs / "realtime.log").open("wb") as logfile:
+            edge = subprocess.Popen(
+                argv,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        procs.insert(0, ("realtime", edge))
+        log(f"realtime: started pid {edge.pid}: buildah run ... {' '.join(edge_argv)}")
+        wait_http_ok("realtime", f"http://127.0.0.1:{ports['realtime']}/healthz", edge, args.timeout)
+        edge_address = f"127.0.0.1:{ports['realtime']}"
+        log(f"realtime: a turn over WebSocket: {realtime_turn(edge_address, 60.0)}")
         # buildah run has no read-only root; instead: nothing was written outside /tmp.
         for name, ctr in ctrs.items():
             written = written_outside_tmp(b("mount", ctr).strip(), started)
@@ -714,7 +808,10 @@ def main(argv: list[str] | None = None) -> int:
         if size_problem:
             raise CheckFailed(size_problem)
         summary = ", ".join(f"{n} {f.size / 1e6:.0f} MB" for n, f in facts.items())
-        log(f"PASS: {summary}; a conversation through the image-run stack returned the parrot's reply")
+        log(
+            f"PASS: {summary}; a conversation through the image-run stack returned the parrot's reply, "
+            "over gRPC and through the Realtime edge"
+        )
     except Exception as exc:  # reported, then everything is cleaned up
         failed = True
         log(f"FAIL: {exc}")
