@@ -173,13 +173,13 @@ class Connection:
     async def _send_now(self, event: Event) -> None:
         with contextlib.suppress(ConnectionClosed):
             await self.ws.send(json.dumps(event))
-        metrics.SERVER_EVENTS.labels(type=event["type"]).inc()
+        metrics.server_event(event["type"]).inc()
 
     def _emit(self, events: list[Event]) -> None:
         for event in events:
             audio_of = event["response_id"] if event["type"] == "response.output_audio.delta" else ""
             self.outbound.put(Frame(json.dumps(event), audio_of))
-            metrics.SERVER_EVENTS.labels(type=event["type"]).inc()
+            metrics.server_event(event["type"]).inc()
 
     # ---- the client's frames ----------------------------------------------------------------
 
@@ -232,9 +232,10 @@ class Connection:
             case AppendAudio(audio=audio):
                 sent = await session.send_audio(audio)
                 # Backpressure: stop reading the socket while the model is behind.
-                while not await session.wait_acked(MAX_UNACKED_APPENDS, timeout_s=5.0):
-                    if session.closed:
-                        break
+                if session.seq.last - session.acked_seq > MAX_UNACKED_APPENDS:
+                    while not await session.wait_acked(MAX_UNACKED_APPENDS, timeout_s=5.0):
+                        if session.closed:
+                            break
             case UpdateSession():
                 sent = await self._update(session, command)
             case CommitAudio():

@@ -81,8 +81,8 @@ class Conversation:
         """Items of ``conversation.item.create`` whose commits are on their way, in order."""
         self._last_item: str | None = None
         self._responses: dict[str, _Response] = {}
-        self._items: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        """Assistant item id -> (response id, ms of audio sent for it)."""
+        self._items: OrderedDict[str, _Response] = OrderedDict()
+        """Assistant item id -> its response (which counts the audio sent for it)."""
         self._client_ids: OrderedDict[str, str] = OrderedDict()
         """The session service's event id of a client event -> the client's own ``event_id``."""
 
@@ -175,31 +175,20 @@ class Conversation:
         self.apply_config(ev.updated.config)
         return [self._event("session.updated", session=self.session_object())]
 
-    def _speech_started(self, ev: session_pb2.ServerEvent) -> list[Event]:
+    def _speech(self, kind: str, position: str, audio_ms: int) -> list[Event]:
+        """A speech boundary of server VAD (not reported without it), on the user item the turn
+        becomes."""
         if not self.settings.turn.vad:
             return []
         if not self._user_item:
             self._user_item = self.new_item_id()
-        return [
-            self._event(
-                "input_audio_buffer.speech_started",
-                audio_start_ms=ev.speech_started.audio_ms,
-                item_id=self._user_item,
-            )
-        ]
+        return [self._event(kind, **{position: audio_ms}, item_id=self._user_item)]
+
+    def _speech_started(self, ev: session_pb2.ServerEvent) -> list[Event]:
+        return self._speech("input_audio_buffer.speech_started", "audio_start_ms", ev.speech_started.audio_ms)
 
     def _speech_stopped(self, ev: session_pb2.ServerEvent) -> list[Event]:
-        if not self.settings.turn.vad:
-            return []
-        if not self._user_item:
-            self._user_item = self.new_item_id()
-        return [
-            self._event(
-                "input_audio_buffer.speech_stopped",
-                audio_end_ms=ev.speech_stopped.audio_ms,
-                item_id=self._user_item,
-            )
-        ]
+        return self._speech("input_audio_buffer.speech_stopped", "audio_end_ms", ev.speech_stopped.audio_ms)
 
     def expect_created_item(self, item_id: str) -> str:
         """A ``conversation.item.create`` of audio is on its way as a commit; returns its id."""
@@ -286,7 +275,9 @@ class Conversation:
         r = _Response(started.response_id, self.new_item_id())
         self._responses[r.response_id] = r
         previous, self._last_item = self._last_item, r.item_id
-        self._remember_item(r.item_id, r.response_id, 0.0)
+        self._items[r.item_id] = r
+        while len(self._items) > MAX_REMEMBERED_ITEMS:
+            self._items.popitem(last=False)
         ids = {"response_id": r.response_id, "item_id": r.item_id, "output_index": 0}
         item = self._assistant_item(r, "in_progress")
         return [
@@ -301,19 +292,12 @@ class Conversation:
             ),
         ]
 
-    def _remember_item(self, item_id: str, response_id: str, audio_ms: float) -> None:
-        self._items[item_id] = (response_id, audio_ms)
-        self._items.move_to_end(item_id)
-        while len(self._items) > MAX_REMEMBERED_ITEMS:
-            self._items.popitem(last=False)
-
     def _audio_delta(self, ev: session_pb2.ServerEvent) -> list[Event]:
         delta = ev.audio_delta
         r = self._responses.get(delta.response_id)
         if r is None:
             return []  # a response this connection never saw start (not one of its own)
         r.audio_bytes += len(delta.pcm)
-        self._remember_item(r.item_id, r.response_id, self.settings.output_format.duration_ms(r.audio_bytes))
         return [
             self._event(
                 "response.output_audio.delta",
@@ -411,7 +395,8 @@ class Conversation:
             raise RealtimeError(
                 "item_not_found", "no assistant item with that id (or too old)", param="item_id"
             )
-        response_id, audio_ms = known
+        response_id = known.response_id
+        audio_ms = self.settings.output_format.duration_ms(known.audio_bytes)
         if audio_end_ms > audio_ms + 1:
             raise RealtimeError(
                 "invalid_value",

@@ -7,6 +7,8 @@ stable codes, refusals a fixed set of reasons.
 from __future__ import annotations
 
 # Counter names omit `_total`: prometheus_client appends it.
+from functools import cache
+
 from prometheus_client import Counter, Gauge
 
 CONNECTIONS = Gauge("duplex_realtime_connections", "WebSocket connections held now")
@@ -42,3 +44,10 @@ SLOW_CONSUMERS = Counter(
 )
 IDLE_CLOSES = Counter("duplex_realtime_idle_closes", "Connections closed after the idle timeout")
 STREAMS = Gauge("duplex_realtime_upstream_streams", "ConverseMany streams held to the session service")
+
+
+@cache
+def server_event(kind: str) -> Counter:
+    """``SERVER_EVENTS`` of one event type, bound once (an audio delta is counted per frame; the
+    types are the edge's own, a bounded set)."""
+    return SERVER_EVENTS.labels(type=kind)

@@ -91,53 +91,62 @@ def bearer_token(headers: Headers) -> str | None:
     return token.strip()
 
 
+@dataclass
+class _Stream:
+    client: DuplexClient
+    lanes: Lanes
+    refs: int = 0
+    """Connections holding it."""
+
+
 class Upstream:
     """One ``ConverseMany`` stream per credential to the session service, shared by that
-    credential's connections; closed when its last session ends."""
+    credential's connections; closed when its last connection lets it go. A stream that failed
+    is replaced (on the same channel) for the next session."""
 
     def __init__(self, target: str, tls: ClientTLS | None) -> None:
         self.target = target
         self._credentials = ChannelCredentials(tls) if tls is not None else None
-        self._streams: dict[str, tuple[DuplexClient, Lanes, int]] = {}
+        self._streams: dict[str, _Stream] = {}
 
-    def _acquire(self, token: str) -> Lanes:
-        held = self._streams.get(token)
-        if held is not None and held[1].usable:
-            client, lanes, refs = held
-            self._streams[token] = (client, lanes, refs + 1)
-            return lanes
-        credentials = self._credentials.current() if self._credentials is not None else None
-        client = (
-            held[0]
-            if held is not None
-            else DuplexClient(self.target, credentials=credentials, token=token or None)
-        )
-        lanes = Lanes(client)
-        self._streams[token] = (client, lanes, (held[2] if held is not None else 0) + 1)
-        metrics.STREAMS.set(len(self._streams))
-        return lanes
+    def hold(self, token: str) -> None:
+        stream = self._streams.get(token)
+        if stream is None:
+            credentials = self._credentials.current() if self._credentials is not None else None
+            client = DuplexClient(self.target, credentials=credentials, token=token or None)
+            stream = self._streams[token] = _Stream(client, Lanes(client))
+            metrics.STREAMS.set(len(self._streams))
+        stream.refs += 1
 
-    async def _release(self, token: str) -> None:
-        held = self._streams.get(token)
-        if held is None:
+    def lanes(self, token: str) -> Lanes:
+        """The credential's stream (``hold`` it first), a new one if it failed."""
+        stream = self._streams[token]
+        if not stream.lanes.usable:
+            stream.lanes = Lanes(stream.client)
+        return stream.lanes
+
+    async def release(self, token: str) -> None:
+        stream = self._streams.get(token)
+        if stream is None:
             return
-        client, lanes, refs = held
-        if refs > 1:
-            self._streams[token] = (client, lanes, refs - 1)
-            return
-        del self._streams[token]
-        metrics.STREAMS.set(len(self._streams))
-        await lanes.close(timeout_s=2.0)
-        await client.close()
+        stream.refs -= 1
+        if stream.refs <= 0:
+            del self._streams[token]
+            metrics.STREAMS.set(len(self._streams))
+            await _close(stream)
 
     def source(self, token: str) -> CredentialSource:
         return CredentialSource(self, token)
 
     async def close(self) -> None:
-        for token in list(self._streams):
-            client, lanes, _ = self._streams.pop(token)
-            await lanes.close(timeout_s=2.0)
-            await client.close()
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            await _close(stream)
+
+
+async def _close(stream: _Stream) -> None:
+    await stream.lanes.close(timeout_s=2.0)
+    await stream.client.close()
 
 
 class CredentialSource:
@@ -148,19 +157,14 @@ class CredentialSource:
         self._token = token
         self._held = False
 
-    async def _lanes(self) -> Lanes:
+    def _lanes(self) -> Lanes:
         if not self._held:
             self._held = True
-            return self._upstream._acquire(self._token)
-        held = self._upstream._streams.get(self._token)
-        if held is not None and held[1].usable:
-            return held[1]
-        await self.release()
-        self._held = True
-        return self._upstream._acquire(self._token)
+            self._upstream.hold(self._token)
+        return self._upstream.lanes(self._token)
 
     async def open(self, model: str, settings: Settings) -> Session:
-        lanes = await self._lanes()
+        lanes = self._lanes()
         return await lanes.open_session(
             model=model,
             input_format=settings.input_format,
@@ -169,13 +173,13 @@ class CredentialSource:
         )
 
     async def resume(self, session_id: str, resume_token: str) -> Session:
-        lanes = await self._lanes()
+        lanes = self._lanes()
         return await lanes.resume(session_id, resume_token)
 
     async def release(self) -> None:
         if self._held:
             self._held = False
-            await self._upstream._release(self._token)
+            await self._upstream.release(self._token)
 
 
 class EdgeServer:
