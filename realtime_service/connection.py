@@ -99,11 +99,10 @@ def resumable(err: DuplexError) -> bool:
 
 
 def close_code_for(err: DuplexError) -> int:
-    """The WebSocket close code for a session that could not open or go on."""
+    """The WebSocket close code for a session that could not open or go on: 1013 when trying
+    again may help, 1011 for the service's own failure, 1008 for a refusal (credentials, model)."""
     if err.retryable:
         return CLOSE_TRY_AGAIN
-    if err.code in ("unauthenticated", "permission_denied", "not_session_owner"):
-        return CLOSE_POLICY
     return CLOSE_INTERNAL if err.code == "internal" else CLOSE_POLICY
 
 
