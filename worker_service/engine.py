@@ -25,10 +25,8 @@ interval must be below the frame period). A model that must run free (``StepMode
 gets it whatever the engine was asked for.
 
 The asyncio side talks to the engine only through ordered commands (``Enqueue``, ``AbortOlder``,
-``ReleaseSession``) applied as they come, between steps, so model state and queues need no
-locks. Errors are split the vLLM v1 way: a per-request failure becomes that request's error
-update and the batch goes on; an exception escaping the model's batched step is fatal
-(``on_fatal``).
+``ReleaseSession``) applied between steps: model state and queues need no locks. A per-request
+failure becomes that request's error update (vLLM v1); one escaping the batched step is fatal.
 """
 
 from __future__ import annotations
@@ -44,9 +42,9 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from duplex.errors import DuplexError, ErrorCode
 from duplex.fence import Fence
 from duplex.v1 import common_pb2
+from worker_service import metrics
 from worker_service.config import CLOCKS, Clock
 from worker_service.engine_types import (
     APPEND,
@@ -64,10 +62,9 @@ from worker_service.engine_types import (
     Update,
     Work,
 )
-from worker_service.metrics import ACTIVE_REQUESTS, BATCH_SIZE, FENCED, QUEUE_DEPTH, STEP_DURATION
 from worker_service.model import FloatArray, StepBatch, StepModel
 from worker_service.sparse_adapter import adapt_multimodal_outputs
-from worker_service.step_outputs import Request, collect_news, route_audio
+from worker_service.step_outputs import Request, collect_news, model_failure, route_audio
 
 # The types moved to ``engine_types``: re-exported, so ``from worker_service.engine import ...`` works.
 __all__ = ["APPEND", "CLEAR", "COMMIT", "RESPOND", "AbortOlder", "Engine", "EngineCommand", "EngineDeadError"]
@@ -84,10 +81,6 @@ CATCH_UP_BUDGET: Final = 0.5
 #: Frame clock: a request with at least this many input frames left after the tick's step is
 #: behind (one left is the jitter of arrivals around the tick, caught up as it comes).
 CATCH_UP_BACKLOG: Final = 2
-
-
-def _error(work: Work, err: DuplexError) -> Update:
-    return Update(work.request_id, work.fence, error=(err.code, err.message))
 
 
 class Engine:
@@ -228,8 +221,8 @@ class Engine:
                 step_outputs = self._step(model, news, self._select())
         results = [(owner, OwnerStep(step=0, updates=u)) for owner, u in news.items() if u]
         results.extend(step_outputs)
-        ACTIVE_REQUESTS.set(len(self._requests))
-        QUEUE_DEPTH.labels(queue="input").set(self._queued_units)
+        metrics.ACTIVE_REQUESTS.set(len(self._requests))
+        metrics.QUEUE_DEPTH.labels(queue="input").set(self._queued_units)
         if results:
             self._sink(results)
         return True
@@ -268,16 +261,18 @@ class Engine:
                 state = model.create_state(sid)
             except Exception as exc:
                 cmd.counter.retired += work.units
-                news.setdefault(work.owner, []).append(_error(work, self._model_failure(exc)))
+                news.setdefault(work.owner, []).append(model_failure(work, exc))
                 return
             req = self._requests[sid] = Request(sid, work.owner, work.request_id, state, cmd.counter)
         if work.fence.epoch < req.epoch:
             # Fenced on the asyncio side already; kept as a guard for the invariant.
             cmd.counter.retired += work.units
-            FENCED.labels(reason="aborted").inc()
+            metrics.FENCED.labels(reason="aborted").inc()
             return
         if work.fence.epoch > req.epoch:
             self._drop_older(model, req, work.fence.epoch)
+        if work.owner != req.owner:
+            self._hand_over(req, work, news)
         req.owner, req.request_id, req.counter = work.owner, work.request_id, cmd.counter
         req.queue.append(work)
         self._queued_units += work.units
@@ -288,6 +283,21 @@ class Engine:
             # model step: applied now, not at the next tick, so a reply starts up to a frame
             # period sooner (the parrot computes it meanwhile).
             self._prepare(model, req, news)
+
+    def _hand_over(self, req: Request, work: Work, news: dict[str, list[Update]]) -> None:
+        """The first work of an owner that took the session over: a turn the model ended that
+        nothing answered is told to it again (the news went to the previous owner, perhaps dead
+        before acting on it; the model does not end a turn twice). Its own RESPOND, COMMIT or
+        CLEAR answers the turn itself."""
+        if req.unanswered is None:
+            return
+        if work.kind == APPEND:
+            fence = Fence(req.session_id, req.epoch, work.fence.turn_id)
+            news.setdefault(work.owner, []).append(
+                Update(work.request_id, fence, turn_ended=True, committed_samples=req.unanswered)
+            )
+            metrics.TURNS_HANDED_OVER.inc()
+        req.unanswered = None
 
     def _abort_older(self, model: StepModel[Any], cmd: AbortOlder) -> None:
         req = self._requests.get(cmd.session_id)
@@ -307,12 +317,12 @@ class Engine:
                 continue
             req.counter.retired += work.units
             self._queued_units -= work.units
-            FENCED.labels(reason="aborted").inc()
+            metrics.FENCED.labels(reason="aborted").inc()
         req.queue = kept
         if req.reply_fence is not None and req.reply_fence.epoch < epoch:
             model.cancel_response(req.state)
             req.reply_fence = None
-            FENCED.labels(reason="aborted").inc()
+            metrics.FENCED.labels(reason="aborted").inc()
 
     def _release(self, model: StepModel[Any], session_id: str) -> None:
         req = self._requests.pop(session_id, None)
@@ -329,13 +339,6 @@ class Engine:
             logger.exception("model failed to release a request's state")
 
     # -- one step --------------------------------------------------------------------------------
-
-    def _model_failure(self, exc: Exception) -> DuplexError:
-        if isinstance(exc, DuplexError):
-            return exc
-        # Details are logged, not sent.
-        logger.exception("model failed on a request", exc_info=exc)
-        return DuplexError(ErrorCode.MODEL_ERROR, "the model failed on this request")
 
     def _prepare(
         self, model: StepModel[Any], req: Request, news: dict[str, list[Update]]
@@ -362,6 +365,7 @@ class Engine:
                 req.queue.popleft()
                 req.counter.retired += 1
                 self._queued_units -= 1
+                req.unanswered = None  # RESPOND, COMMIT and CLEAR each answer an ended turn
                 if work.kind == COMMIT:
                     n = model.commit(req.state)
                     news.setdefault(work.owner, []).append(
@@ -377,7 +381,7 @@ class Engine:
                     req.queue.popleft()
                     req.counter.retired += work.units
                     self._queued_units -= work.units
-                news.setdefault(work.owner, []).append(_error(work, self._model_failure(exc)))
+                news.setdefault(work.owner, []).append(model_failure(work, exc))
         return None
 
     def _select(self) -> list[Request]:
@@ -483,6 +487,6 @@ class Engine:
                 req.reply_fence = None
             if not req.queue and (req.reply_fence is None or model.lockstep):
                 self._runnable.pop(req.session_id, None)
-        BATCH_SIZE.observe(size)
-        STEP_DURATION.observe(time.perf_counter() - t0)
+        metrics.BATCH_SIZE.observe(size)
+        metrics.STEP_DURATION.observe(time.perf_counter() - t0)
         return list(per_owner.items())

@@ -68,6 +68,11 @@ TOMBSTONES_EVICTED: Final = Counter(
     "Closed-session tombstones forgotten before their time because there were too many "
     "(--max-closed-sessions): such a session could be attached again.",
 )
+TURNS_HANDED_OVER: Final = Counter(
+    "duplex_worker_turns_handed_over",
+    "Turn ends told again to the owner that took a session over: the model had ended the turn and "
+    "nothing had answered it (no RESPOND, COMMIT or CLEAR) when the previous owner left.",
+)
 ENGINE_FAILURES: Final = Counter(
     "duplex_worker_engine_failures", "Fatal engine errors (the worker stops serving)."
 )

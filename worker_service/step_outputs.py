@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from duplex.errors import ErrorCode
+from duplex.errors import DuplexError, ErrorCode
 from duplex.fence import Fence
 from duplex.sparse import InvalidSparseDeclaration, record_fail_closed, typed_audio_payloads
 from duplex.v1 import worker_pb2
@@ -40,10 +40,22 @@ class Request:
     seq_reported: int = 0
     input_replay: bool = False
     """The frame taken last came from a replayed APPEND."""
+    unanswered: int | None = None
+    """The committed samples of a turn the model ended that no RESPOND, COMMIT or CLEAR has
+    answered yet (None: none). Told again to an owner that takes the session over: the news
+    may have gone to an owner that died before acting on it."""
 
     def input_frames(self) -> int:
         """Input frames queued (the queue is a few submissions long)."""
         return sum(len(w.frames) - w.pos for w in self.queue if w.frames is not None)
+
+
+def model_failure(work: Work, exc: Exception) -> Update:
+    """The error update of a work the model failed on (details are logged, not sent)."""
+    if not isinstance(exc, DuplexError):
+        logger.exception("model failed on a request", exc_info=exc)
+        exc = DuplexError(ErrorCode.MODEL_ERROR, "the model failed on this request")
+    return Update(work.request_id, work.fence, error=(exc.code, exc.message))
 
 
 def collect_news(
@@ -59,6 +71,8 @@ def collect_news(
     if len(step_news) != len(batch):
         raise RuntimeError(f"model returned news for {len(step_news)} of {len(batch)} requests")
     for req, fence, was_replay, n in zip(batch, fences, replayed, step_news, strict=True):
+        if n is not None and n.turn_ended:
+            req.unanswered = n.committed_samples
         if was_replay and n is not None and n.error is None:
             # The worker that first consumed this input reported what the model heard in it.
             n.vad, n.text, n.turn_ended, n.committed_samples = [], "", False, 0
