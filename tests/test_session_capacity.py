@@ -14,6 +14,7 @@ import pytest
 
 from duplex.errors import from_rpc_error
 from duplex.v1 import session_pb2, session_pb2_grpc
+from session_service.session.mailbox import Mailbox
 from session_service.session.runner import SessionRunner
 from tests.fakes import ManualClock
 from tests.session_helpers import Conversation, FakeLink, drain, in_process_stack, open_event
@@ -267,7 +268,6 @@ async def test_calls_beyond_the_bound_are_refused_before_any_handler(stack) -> N
 
 
 async def test_the_mailbox_is_bounded_by_bytes_not_only_by_count() -> None:
-    from session_service.session.mailbox import Mailbox
 
     box: Mailbox[str] = Mailbox(max_items=256, max_bytes=1000)
     assert box.put_nowait("a", 600)
@@ -281,18 +281,32 @@ async def test_the_mailbox_is_bounded_by_bytes_not_only_by_count() -> None:
     assert box.put_nowait("huge", 5000)  # alone in an empty mailbox it is taken, never wedged
 
 
+def test_bytes_held_past_the_mailbox_count_against_its_bound() -> None:
+    box: Mailbox[str] = Mailbox(max_items=10, max_bytes=1000)
+    assert box.takes_at_once(600)
+    box.charge(600)  # an append applied at once, its write not done
+    assert not box.takes_at_once(600)  # together they would pass the bound
+    assert box.put_nowait("a", 300) and not box.put_nowait("b", 300)
+    assert not box.takes_at_once(10)  # something is queued: it goes first
+    assert box.get_nowait() == "a"
+    box.discharge(600)  # written
+    assert box.bytes == 0 and box.takes_at_once(1000)
+
+
 async def test_a_client_flooding_its_session_is_read_no_further_than_the_byte_bound() -> None:
     clock = ManualClock()
     link = FakeLink()
     r = make_runner(link, clock=clock, max_buffer_bytes=256 * 1024)
-    big = session_pb2.ClientEvent(
-        append=session_pb2.InputAudioAppend(seq=1, pcm=b"\x00\x00" * 60_000)  # 120 KB
-    )
-    # The runner is busy (its worker write never completes): every post beyond the bound waits.
+    # The worker's writes never complete: appends applied at once count against the bound until
+    # written, and the runner waits in the first one that goes through the mailbox; every post
+    # beyond the bound waits.
     never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     link.submit = lambda subs: never  # type: ignore[method-assign,assignment]
     posted = 0
-    for _ in range(10):
+    for seq in range(1, 11):
+        big = session_pb2.ClientEvent(
+            append=session_pb2.InputAudioAppend(seq=seq, pcm=b"\x00\x00" * 60_000)  # 120 KB
+        )
         try:
             await asyncio.wait_for(r.post(big), 0.05)
         except TimeoutError:

@@ -830,11 +830,15 @@ async def test_an_append_lost_mid_write_goes_to_the_new_worker() -> None:
         await _settle()
         events = drain(runner)
         # The append lost mid-write went to the healthy worker instead: no error, both acked,
-        # and the healthy worker got the session's model options with the first of them.
+        # and the healthy worker got the session's model options with the first submission.
+        # (The append is in the turn's replay log from the moment it is handed to the link, so
+        # the move replays it, after the replay's CLEAR.)
         assert [e for e in events if e.HasField("error")] == []
         assert [e.input_ack.seq for e in events if e.HasField("input_ack")] == [1, 2]
-        assert [s.kind for s in healthy.subs] == [APPEND, APPEND]
-        assert [s.pcm for s in healthy.subs] == [s.pcm for s in dead.subs] + [_append(2).append.pcm]
+        assert [s.kind for s in healthy.subs] == [CLEAR, APPEND, APPEND]
+        appends = [s for s in healthy.subs if s.kind == APPEND]
+        assert [s.pcm for s in appends] == [s.pcm for s in dead.subs] + [_append(2).append.pcm]
+        assert not any(s.replay for s in appends)  # no worker reported it: its news are heard
         assert healthy.subs[0].params["pitch_semitones"] == PITCH
     finally:
         runner.close("test")
@@ -871,6 +875,7 @@ def _update(
 
 
 APPEND = worker_pb2.SUBMISSION_KIND_APPEND
+CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
 COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
 RESPOND = worker_pb2.SUBMISSION_KIND_RESPOND
 

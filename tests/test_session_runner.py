@@ -77,6 +77,34 @@ async def test_append_is_acked_after_the_worker_write_with_params_first() -> Non
     assert dict(sub.params)["auto_commit"] is True
 
 
+async def test_an_append_is_handed_to_the_worker_in_the_posting_task_and_acked_once_written() -> None:
+    """Issue 22, item 4: an append wakes no task but the stream's reader. With nothing ahead of
+    it, it reaches the link before ``post`` returns (the runner's task never ran), and its ack
+    waits for the write; anything else still goes through the runner, in order."""
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    class WritesLater(FakeLink):
+        def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+            self.subs.extend(subs)
+            return never
+
+    link = WritesLater()
+    r = make_runner(link)
+    await r.post(append(1))
+    assert [s.seq for s in link.subs] == [1]  # no await between: the runner's task did not run
+    await settle()
+    assert kinds(drain(r)) == []  # not written yet: no ack
+    never.set_result(None)
+    await settle()
+    assert [e.input_ack.seq for e in drain(r)] == [1]
+    await r.post(session_pb2.ClientEvent(event_id="c", clear=session_pb2.InputAudioClear()))
+    assert [s.kind for s in link.subs] == [worker_pb2.SUBMISSION_KIND_APPEND]  # queued for the runner
+    await settle()
+    assert link.kinds()[-1] == worker_pb2.SUBMISSION_KIND_CLEAR
+    r.close("test")
+    await r.wait_closed()
+
+
 @pytest.mark.parametrize(
     ("event", "code"),
     [

@@ -7,28 +7,49 @@ Appends (checked, then handed to the worker under the next worker seq), commit, 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import numpy as np
 
 from duplex.audio import F32LE, PcmFormat
-from duplex.errors import BadEventError, ErrorCode, UnavailableError
+from duplex.errors import BadEventError, DuplexError, ErrorCode, InternalError, UnavailableError
 from duplex.fence import Fence
 from duplex.v1 import session_pb2, worker_pb2
 from session_service.metrics import EVENTS_IN
 from session_service.plugin import FramePacketizer
 from session_service.session.ack_window import Ack
+from session_service.session.answer_order import AnswerOrder
 from session_service.session.failover import Failover
 from session_service.session.lifecycle import CloseReason, InputStatus, SeqStatus, TurnStatus
+from session_service.session.mailbox import Mailbox
 from session_service.session.settings import settings_from_proto, struct_to_dict
 from session_service.session.state import WorkerHandle
 
 COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
 CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
 
+log = logging.getLogger("session_service.session.runner")
+
+
+def _write_error(exc: BaseException) -> DuplexError:
+    """A failure as the client hears of it (``Failover._submit``, the runner's catch-all)."""
+    if isinstance(exc, DuplexError):
+        return exc
+    if isinstance(exc, (TimeoutError, ConnectionError, asyncio.CancelledError)):
+        return UnavailableError(ErrorCode.WORKER_UNAVAILABLE, f"worker did not take the input: {exc}")
+    return InternalError(ErrorCode.INTERNAL, "internal error")
+
 
 class ClientEvents(Failover):
     """The handlers of client events (a layer of ``SessionRunner``)."""
+
+    _mailbox: Mailbox[Any]
+    _answers: AnswerOrder
+    _busy: bool
+    """The runner's task is inside an item (it may be awaiting in it)."""
+    """Appends are answered (acked, or refused) in order, though some wait for their write."""
 
     async def _dispatch(self, ev: session_pb2.ClientEvent, received: float) -> None:
         kind = ev.WhichOneof("event")
@@ -66,22 +87,7 @@ class ClientEvents(Failover):
 
     async def _on_append(self, ap: session_pb2.InputAudioAppend, received: float) -> None:
         pcm = ap.pcm  # read once: each read of a bytes field copies it
-        self._check_append(ap, pcm)
-        if self.seq_status is SeqStatus.RESTART_ALLOWED and ap.seq == 1:
-            # The client saw audio_cancelled and restarted; appends it sent before are behind us.
-            self.seq_status = SeqStatus.IN_EPOCH
-            self._seq_epoch = self.epoch
-            self._last_seq = 0
-        if ap.seq <= self._last_seq:
-            raise BadEventError(ErrorCode.SEQ_OUT_OF_ORDER, f"seq {ap.seq} after {self._last_seq}")
-        if self.input_status is InputStatus.ABANDONED:
-            raise BadEventError(
-                ErrorCode.INPUT_ABANDONED,
-                "an earlier append failed; input is abandoned until commit, clear or cancel",
-                retryable=True,
-            )
-        self._last_seq = ap.seq
-        seq_epoch = self._seq_epoch
+        seq_epoch = self._accept_append(ap, pcm)
         link = self.link
         if link is None or not link.healthy:
             link = await self._bound_link()
@@ -104,23 +110,155 @@ class ClientEvents(Failover):
                     self._worker_seq = wseq
                     # Kept even when its worker was lost meanwhile: the move replays it.
                     self.replay.appended(frames, epoch=fence.epoch, seq=wseq, turn_id=fence.turn_id)
-                    if self.link is link:  # else its worker is gone (the replay hands it on again)
-                        self.acks.handed_on(wseq, len(frames) // self._frame_bytes)
+                    self._handed_on(link, wseq, len(frames) // self._frame_bytes)
         except BaseException:
             res.rollback()
             if self.link is link:  # a write lost with its worker leaves no hole: that input is gone too
                 self.input_status = InputStatus.ABANDONED
             raise
         res.commit()
-        self.state.input_since_commit_samples += len(frames) // self._plugin.worker_format.frame_bytes
+        self._took_input(len(frames), len(pcm), received)
+        seq = ap.seq
+        self._answers.now(lambda: self._ack_append(seq, seq_epoch, fence, received))
+
+    def _append_at_once(self, event: session_pb2.ClientEvent, received: float, size: int) -> bool:
+        """Apply an append in the caller's task (no task woken) when the runner is idle with an
+        empty mailbox, the session's worker is healthy, and the appends awaiting their write fit
+        the mailbox's byte bound with it (they count against it). Returns whether it did."""
+        link = self.link
+        if (
+            self._busy
+            or link is None
+            or not link.healthy
+            or event.WhichOneof("event") != "append"
+            or not self._mailbox.takes_at_once(size)
+        ):
+            return False
+        EVENTS_IN["append"].inc()
+        try:
+            self._append_now(event.append, received, link, event.event_id, size)
+        except Exception as exc:
+            if not isinstance(exc, DuplexError):
+                log.exception("session %s: event failed", self.session_id)
+            err = _write_error(exc)
+            self._answers.now(lambda: self._error(err, event.event_id))  # after earlier appends' acks
+        self._check_overflow()
+        return True
+
+    def _append_now(
+        self,
+        ap: session_pb2.InputAudioAppend,
+        received: float,
+        link: WorkerHandle,
+        event_id: str,
+        size: int,
+    ) -> None:
+        """An append applied in the caller's task (the client stream's reader) while the runner
+        has nothing ahead of it and the session is bound: no task is woken for it. Its frames
+        are queued on the link, and what ``_on_append`` does after awaiting the write is done
+        now (the input is in the replay log, so a worker lost before the write replays it);
+        its ack goes out once the write is done, after those of earlier appends
+        (``_append_written``)."""
+        pcm = ap.pcm
+        seq_epoch = self._accept_append(ap, pcm)
+        fence = self._fence()
+        res = self.state.audio_buffer.reserve_append(pcm)
+        frames = res.frames
+        seq = ap.seq
+        if not frames:  # a part of a frame: kept for the next append
+            res.commit()
+            self._took_input(0, len(pcm), received)
+            self._answers.now(lambda: self._ack_append(seq, seq_epoch, fence, received))
+            return
+        wseq = self._worker_seq + 1
+        params = self._take_options()
+        subs = self._plugin.plan_append(
+            request_id=self.session_id, fence=fence, seq=wseq, frames=frames, params=params
+        )
+        try:
+            written = link.submit(subs)
+            if written.done() and (written.cancelled() or written.exception() is not None):
+                written.result()  # refused at once: failed here, as _on_append fails it
+        except BaseException as exc:
+            res.rollback()
+            if params is not None:
+                self._options_pending()
+            if self.link is link:
+                self.input_status = InputStatus.ABANDONED
+            raise _write_error(exc) from exc
+        self._worker_seq = wseq
+        self.replay.appended(frames, epoch=fence.epoch, seq=wseq, turn_id=fence.turn_id)
+        self._handed_on(link, wseq, len(frames) // self._frame_bytes)
+        res.commit()
+        self._took_input(len(frames), len(pcm), received)
+        if written.done():
+            self._answers.now(lambda: self._ack_append(seq, seq_epoch, fence, received))
+            return
+        self._mailbox.charge(size)
+        self._submit_wait = (written, self._clock.now() + self._cfg.submit_timeout_s)
+        ticket = self._answers.later()
+        written.add_done_callback(lambda _: self._mailbox.discharge(size))
+        written.add_done_callback(
+            lambda f: self._answers.then(
+                ticket, lambda: self._append_written(f, link, seq, seq_epoch, fence, received, event_id)
+            )
+        )
+
+    def _append_written(
+        self,
+        written: asyncio.Future[None],
+        link: WorkerHandle,
+        seq: int,
+        seq_epoch: int,
+        fence: Fence,
+        received: float,
+        event_id: str,
+    ) -> None:
+        """The write of an append applied at once is done (and earlier appends answered): ack
+        it, or fail it as ``_on_append`` fails an append whose write failed."""
+        if self._submit_wait is not None and self._submit_wait[0] is written:
+            self._submit_wait = None
+        exc = asyncio.CancelledError() if written.cancelled() else written.exception()
+        if exc is None or (self._replayable and self.link is not link):
+            # Written; or lost with its worker, and the move replays it from the log.
+            self._ack_append(seq, seq_epoch, fence, received)
+            self._check_overflow()
+            return
+        if self.link is link:
+            self.input_status = InputStatus.ABANDONED
+        self._error(_write_error(exc), event_id)
+
+    def _accept_append(self, ap: session_pb2.InputAudioAppend, pcm: bytes) -> int:
+        """An append's checks and its client seq; returns the epoch of the client's numbering."""
+        self._check_append(ap, pcm)
+        if self.seq_status is SeqStatus.RESTART_ALLOWED and ap.seq == 1:
+            # The client saw audio_cancelled and restarted; appends it sent before are behind us.
+            self.seq_status = SeqStatus.IN_EPOCH
+            self._seq_epoch = self.epoch
+            self._last_seq = 0
+        if ap.seq <= self._last_seq:
+            raise BadEventError(ErrorCode.SEQ_OUT_OF_ORDER, f"seq {ap.seq} after {self._last_seq}")
+        if self.input_status is InputStatus.ABANDONED:
+            raise BadEventError(
+                ErrorCode.INPUT_ABANDONED,
+                "an earlier append failed; input is abandoned until commit, clear or cancel",
+                retryable=True,
+            )
+        self._last_seq = ap.seq
+        return self._seq_epoch
+
+    def _took_input(self, frames_bytes: int, pcm_bytes: int, received: float) -> None:
+        self.state.input_since_commit_samples += frames_bytes // self._plugin.worker_format.frame_bytes
         fmt = self.settings.input_format
-        self._timeline.client(len(pcm) // fmt.frame_bytes / fmt.sample_rate_hz, received)
+        self._timeline.client(pcm_bytes // fmt.frame_bytes / fmt.sample_rate_hz, received)
+
+    def _ack_append(self, seq: int, seq_epoch: int, fence: Fence, received: float) -> None:
         # Acked in the epoch of the client's numbering (older than the fence's when the client
         # appended on before it saw audio_cancelled, or the session moved meanwhile).
         if self.epoch == fence.epoch:
-            self.emitter.acks(self.acks.ack(ap.seq, seq_epoch, received))
+            self.emitter.acks(self.acks.ack(seq, seq_epoch, received))
         else:  # cancelled meanwhile: the ack of an older epoch holds nothing back
-            self.emitter.acks((Ack(ap.seq, seq_epoch, (received,)),))
+            self.emitter.acks((Ack(seq, seq_epoch, (received,)),))
 
     async def _append_frames(self, link: WorkerHandle, fence: Fence, frames: bytes) -> int:
         """Write one APPEND of ``frames`` under the next worker seq; returns the seq."""

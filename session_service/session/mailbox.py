@@ -39,6 +39,21 @@ class Mailbox(Generic[T]):
             len(self._items) < self._max_items and self.bytes + size <= self._max_bytes
         )
 
+    def takes_at_once(self, size: int) -> bool:
+        """Whether ``size`` bytes may be taken past the queue now: nothing is queued and they fit
+        (the runner applies an append in its sender's task then; see ``charge``)."""
+        return not self._items and self.bytes + size <= self._max_bytes
+
+    def charge(self, size: int) -> None:
+        """Count bytes held outside the queue (an append applied at once, its write not done)
+        against the bound, so a sender cannot hold more by going past the queue."""
+        self.bytes += size
+
+    def discharge(self, size: int) -> None:
+        """Bytes ``charge`` counted are no longer held."""
+        self.bytes -= size
+        self._writable.set()
+
     def put_nowait(self, item: T, size: int = 0) -> bool:
         """Queue ``item``; False (nothing queued) when it does not fit now."""
         if not self._fits(size):

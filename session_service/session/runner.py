@@ -37,6 +37,7 @@ from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
 from session_service.metrics import DROPPED, MAILBOX_FULL, SILENCE_FRAMES
 from session_service.plugin import Capabilities, DuplexModelPlugin, SessionSettings
+from session_service.session.answer_order import AnswerOrder
 from session_service.session.client_events import ClientEvents
 from session_service.session.failover import RECOVER_DELAYS_S, REPLAY_APPEND_FRAMES
 from session_service.session.lifecycle import ENDED_FOR_GOOD, CloseReason, DropReason, SessionStatus
@@ -161,6 +162,9 @@ class SessionRunner(ClientEvents):
         self._deadlines: asyncio.Task[None] | None = None
         self._wake_queued = False
         self._submit_wait = None
+        self._busy = False
+        """The runner task is inside an item (it may be awaiting in it)."""
+        self._answers = AnswerOrder(closed=lambda: self.closed)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -177,8 +181,11 @@ class SessionRunner(ClientEvents):
         if self.status is SessionStatus.CLOSED:
             return
         now = self._last_client = self._clock.now()
-        item = _Inbound(event, received if received is not None else now)
+        received = received if received is not None else now
         size = event.ByteSize()
+        if self._append_at_once(event, received, size):
+            return
+        item = _Inbound(event, received)
         if not self._mailbox.put_nowait(item, size):
             await self._mailbox.put(item, size)
 
@@ -272,7 +279,9 @@ class SessionRunner(ClientEvents):
                 if item is None:
                     continue
                 event_id = item.event.event_id if isinstance(item, _Inbound) else ""
+                self._busy = True
                 try:
+                    await self._answers.settled()  # appends applied at once come first
                     if isinstance(item, _Silence):
                         await self._on_silence(item.response)
                     elif isinstance(item, _Recover):
@@ -287,6 +296,8 @@ class SessionRunner(ClientEvents):
                     # Nothing a client sends may crash the runner: log, answer, go on.
                     log.exception("session %s: event failed", self.session_id)
                     self._error(InternalError(ErrorCode.INTERNAL, "internal error"), event_id)
+                finally:
+                    self._busy = False
                 self._check_overflow()  # once per item: a client that stopped reading is closed
         except asyncio.CancelledError:
             pass
