@@ -56,7 +56,13 @@ class ClientEvents(Failover):
         EVENTS_IN[kind or "none"].inc()
         match kind:
             case "append":
-                await self._on_append(ev.append, received)
+                link = self.link
+                size = ev.ByteSize()
+                if link is not None and link.healthy and self._mailbox.has_room(size):
+                    # Not awaiting its write: the next append finds the runner idle.
+                    self._append_now(ev.append, received, link, ev.event_id, size)
+                else:
+                    await self._on_append(ev.append, received)
             case "commit":
                 await self._on_commit(received)
             case "clear":

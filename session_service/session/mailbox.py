@@ -42,7 +42,11 @@ class Mailbox(Generic[T]):
     def takes_at_once(self, size: int) -> bool:
         """Whether ``size`` bytes may be taken past the queue now: nothing is queued and they fit
         (the runner applies an append in its sender's task then; see ``charge``)."""
-        return not self._items and self.bytes + size <= self._max_bytes
+        return not self._items and self.has_room(size)
+
+    def has_room(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit the bound with what is held now."""
+        return self.bytes + size <= self._max_bytes
 
     def charge(self, size: int) -> None:
         """Count bytes held outside the queue (an append applied at once, its write not done)
