@@ -21,9 +21,10 @@ SENDERS_LOOK_S = 0.1
 TICK_LEAD = 0.15
 
 #: Commands written per worker tick (at most): the last TICK_LEAD before the tick, the others
-#: evenly before it. More than one because a session's runner waits for its submission to be
-#: written before it takes its next input: written once per tick, a session whose appends once
-#: came two between writes would stay a frame behind for good; twice, it catches up.
+#: evenly before it. More than one because a command written only TICK_LEAD ahead misses its
+#: tick whenever the hop and the worker's handling of it take longer (a busy machine), and then
+#: every frame in it waits a whole tick more: with one write per tick the ack p99 of 64
+#: real-time sessions was 119-140 ms, with two 77-82 ms, for the same CPU (``benchmarks.tiers``).
 WRITES_PER_TICK = 2
 
 
