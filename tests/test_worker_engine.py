@@ -21,7 +21,7 @@ from duplex.fence import Fence
 from tests.worker_helpers import APPEND, COMMIT, FRAME, RESPOND, RunClient, error_codes, pcm, sub, worker
 from worker_service.cli import build_parser, config_from_args
 from worker_service.config import WorkerConfig
-from worker_service.engine import Engine, Enqueue, OwnerStep, QueueCounter, Work
+from worker_service.engine import AbortOlder, Engine, Enqueue, OwnerStep, QueueCounter, Work
 from worker_service.model import RequestNews, StepBatch, StepModel, StepResult
 from worker_service.models.synthetic import SyntheticModel
 
@@ -349,6 +349,29 @@ def test_the_frame_clock_steps_every_runnable_request_once_per_tick() -> None:
     ]
     assert events[1][0] - events[0][0] >= 0.7  # waited for the tick (one frame period)
     assert events[2][0] - events[1][0] < 0.5  # the chunks of one tick go together
+
+
+def test_on_the_frame_clock_an_append_waits_for_the_tick_without_waking_the_engine() -> None:
+    """Each wake of the engine thread is a GIL hand-over on the worker's event loop: an append
+    arriving while the engine waits for its next tick is applied at that tick, not at once (two
+    commands a tick cost a third more per session-frame when each woke it). Control work
+    still wakes it at once."""
+    steps = _Steps()
+    engine = Engine(_SecondFrames, sink=steps)
+    engine.start()
+    try:
+        engine.submit([_frames(0, 2)])  # one frame a tick: s0 stays runnable, the engine waits
+        steps.wait_for(1)
+        engine.submit([_frames(1, 1)])
+        time.sleep(0.2)
+        assert engine.active_requests == 1  # s1's append waits in the inbox for the tick
+        engine.submit([AbortOlder("s0", 2)])  # control: woken at once, s1 applied with it
+        deadline = time.monotonic() + 0.5
+        while engine.active_requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.active_requests == 2
+    finally:
+        engine.stop()
 
 
 def test_a_request_behind_catches_up_by_extra_frames_in_the_next_ticks() -> None:

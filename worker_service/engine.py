@@ -114,6 +114,7 @@ class Engine:
         """Frame clock: the model's frame period in seconds (0: the free clock)."""
         self._cond = threading.Condition()
         self._inbox: list[EngineCommand] = []
+        self._awaiting_tick = False  # the thread waits for the frame clock's tick (work is due then)
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name="duplex-engine", daemon=True)
         self.model: StepModel[Any] | None = None
@@ -140,7 +141,12 @@ class Engine:
             return
         with self._cond:
             self._inbox.extend(commands)
-            self._cond.notify()
+            # Frame clock: input waits for the tick anyway, so appends do not wake a thread
+            # that is waiting for it (each wake is a GIL hand-over); anything else does.
+            if not self._awaiting_tick or any(
+                not isinstance(c, Enqueue) or c.work.kind != APPEND for c in commands
+            ):
+                self._cond.notify()
 
     @property
     def idle(self) -> bool:
@@ -206,7 +212,9 @@ class Engine:
                 wait = self._step_wait()
                 if wait <= 0:
                     break
-                self._cond.wait(wait)  # a command wakes it early: applied at once, the step waits on
+                self._awaiting_tick = bool(self._period)
+                self._cond.wait(wait)  # a command may wake it early: applied at once, the step waits on
+                self._awaiting_tick = False
             if self._stopping:
                 return False
             commands, self._inbox = self._inbox, []
