@@ -328,6 +328,9 @@ class WorkerLink:
                 pass  # logged by the watchdog
             except grpc.RpcError as exc:
                 log.warning("worker %s: %s", self.address, from_rpc_error(exc).message)
+            except (ConnectionError, asyncio.InvalidStateError) as exc:
+                # The stream ended (a write may meet the RPC over): no bug, no traceback.
+                log.warning("worker %s: Run stream ended: %s", self.address, exc)
             except Exception:
                 log.exception("worker %s: link failed", self.address)
             finally:
