@@ -47,9 +47,9 @@ class ClientEvents(Failover):
 
     _mailbox: Mailbox[Any]
     _answers: AnswerOrder
+    """Appends are answered (acked, or refused) in order, though some wait for their write."""
     _busy: bool
     """The runner's task is inside an item (it may be awaiting in it)."""
-    """Appends are answered (acked, or refused) in order, though some wait for their write."""
 
     async def _dispatch(self, ev: session_pb2.ClientEvent, received: float) -> None:
         kind = ev.WhichOneof("event")
