@@ -8,6 +8,7 @@ Around them: ``worker_output`` (worker output meets the session: every epoch/tur
 where stale output is fenced), ``outbound`` (the one queue to the client), ``emitter`` (event
 numbering), ``ack_window``, ``response``, ``replay`` (the turn's input, kept so a turn survives
 its worker), ``settings`` (wire settings), ``lifecycle`` (the status enums, ``CloseReason`` and
-``DropReason``), ``mailbox``. A session ends in ``SessionState._close`` (the runner's override
+``DropReason``), ``mailbox``, ``answer_order`` (appends applied in the client stream's reader,
+answered in order once written). A session ends in ``SessionState._close`` (the runner's override
 also stops its tasks), always with a ``CloseReason``.
 """
