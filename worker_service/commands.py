@@ -162,14 +162,15 @@ class CommandHandler:
         appends: list[tuple[Work, bytes]] = []
         kinds: Counter[int] = Counter()
         max_queued = self._config.max_queued_frames
+        frame_bytes = _frame_bytes(model)
         for sub in cmd.submit:
             kinds[sub.kind] += 1
             try:
-                work, pcm = parse_submission(model, owner, sub)
+                work, pcm = parse_submission(model, owner, sub, frame_bytes)
                 fence = work.fence
                 admission = fences.check(fence.session_id, fence.epoch, owner)
                 counter = sessions.counter(fence.session_id)
-                units = work.units if pcm is None else len(pcm) // _frame_bytes(model)
+                units = work.units if pcm is None else len(pcm) // frame_bytes
                 if counter.depth + units > max_queued:
                     raise CapacityError(
                         WorkerErrorCode.CAPACITY, f"the request's input queue is full ({max_queued} frames)"
@@ -232,7 +233,7 @@ def decode_appends(model: StepModel[Any], appends: list[tuple[Work, bytes]]) -> 
 
 
 def parse_submission(
-    model: StepModel[Any], owner: str, sub: worker_pb2.Submission
+    model: StepModel[Any], owner: str, sub: worker_pb2.Submission, frame_bytes: int
 ) -> tuple[Work, bytes | None]:
     """Validate one submission into engine work; an APPEND's PCM comes back beside it, checked
     (whole frames) and not yet decoded (``decode_appends``). Raises ``bad_submission``."""
@@ -261,7 +262,6 @@ def parse_submission(
     if kind != APPEND:
         return work, None
     pcm = sub.pcm
-    frame_bytes = _frame_bytes(model)
     if not pcm or len(pcm) % frame_bytes:
         raise bad_submission(
             f"APPEND pcm of {len(pcm)} bytes is not a whole number of {frame_bytes}-byte frames"

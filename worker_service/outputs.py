@@ -48,14 +48,22 @@ def to_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.Step
             REQUEST_ERRORS.labels(code=upd.error[0]).inc()
             ru.error.code, ru.error.message = upd.error
             continue
+        # Only what is set: most updates carry an input_seq alone, and each field set is a call.
+        if upd.input_seq:
+            ru.input_seq = upd.input_seq
         for kind, offset in upd.vad:
             ru.vad.add(kind=kind, sample_offset=offset)
-        ru.text = upd.text
-        ru.input_seq = upd.input_seq
-        ru.turn_ended = upd.turn_ended
-        ru.committed_samples = upd.committed_samples
-        ru.response_started = upd.response_started
-        ru.response_finished = upd.response_finished
+        if upd.text:
+            ru.text = upd.text
+        if upd.turn_ended:
+            ru.turn_ended = True
+            ru.committed_samples = upd.committed_samples
+        elif upd.committed_samples:
+            ru.committed_samples = upd.committed_samples
+        if upd.response_started:
+            ru.response_started = True
+        if upd.response_finished:
+            ru.response_finished = True
     return out
 
 
