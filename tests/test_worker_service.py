@@ -85,16 +85,22 @@ async def test_two_sessions_share_one_step_and_listeners_are_not_in_sparse_ids()
         run.close()
 
 
+def _send_utterance(run: RunClient, signal: np.ndarray) -> list[np.ndarray]:
+    """Send ``signal`` as request r1 of session s1: frames in several commands, several frames
+    per message, as the session service sends them. Returns the chunks sent (seqs 1...)."""
+    chunks = [signal[i : i + 8 * FRAME] for i in range(0, len(signal), 8 * FRAME)]
+    for seq, chunk in enumerate(chunks, 1):
+        run.send(sub("r1", "s1", APPEND, seq=seq, data=pcm(chunk)))
+    return chunks
+
+
 async def test_full_parrot_turn_over_grpc() -> None:
     speech = load_speech("hello.wav")
     signal = pad_frames(speech, silence_s=0.8)
     async with worker() as (_, stub):
         await attach(stub, "s1", "o1")
         run = RunClient(stub, "o1")
-        # Frames in several commands, several frames per message, as the session service sends them.
-        chunks = [signal[i : i + 8 * FRAME] for i in range(0, len(signal), 8 * FRAME)]
-        for seq, chunk in enumerate(chunks, 1):
-            run.send(sub("r1", "s1", APPEND, seq=seq, data=pcm(chunk)))
+        chunks = _send_utterance(run, signal)
         msgs = await run.until(lambda m: any(u.turn_ended for u in m.updates))
         ups = updates_of(msgs, "r1")
         start = next(v.sample_offset for u in ups for v in u.vad if v.kind == STARTED)
@@ -245,9 +251,7 @@ async def _turn_ended_then_taken_over(*, answered: bool) -> list[worker_pb2.Requ
     async with worker() as (_, stub):
         await attach(stub, "s1", "old")
         old = RunClient(stub, "old")
-        chunks = [signal[i : i + 8 * FRAME] for i in range(0, len(signal), 8 * FRAME)]
-        for seq, chunk in enumerate(chunks, 1):
-            old.send(sub("r1", "s1", APPEND, seq=seq, data=pcm(chunk)))
+        chunks = _send_utterance(old, signal)
         msgs = await old.until(lambda m: any(u.turn_ended for u in m.updates))
         committed = next(u.committed_samples for u in updates_of(msgs, "r1") if u.turn_ended)
         if answered:
