@@ -402,6 +402,15 @@ def check_reply(path: Path) -> str:
     return f"{frames} frames at {rate} Hz ({frames / rate:.2f} s), peak {peak}"
 
 
+def _start_logged(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a session of its own, its output into ``log_path`` (the child keeps
+    its own descriptor)."""
+    with log_path.open("wb") as logfile:
+        return subprocess.Popen(
+            argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+
+
 def wait_http_ok(name: str, url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     """Poll a plain HTTP probe (the Realtime edge's /healthz) until it answers 200."""
     deadline = time.monotonic() + timeout_s
@@ -733,14 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for name, extra, health in stack:
             argv = b.run_argv(ctrs[name], user[name], [*facts[name].entrypoint, *extra])
-            with (logs / f"{name}.log").open("wb") as logfile:  # the child keeps its own descriptor
-                server = subprocess.Popen(
-                    argv,
-                    stdout=logfile,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
+            server = _start_logged(argv, logs / f"{name}.log")
             procs.insert(0, (name, server))
             log(f"{name}: started pid {server.pid}: buildah run ... {' '.join(argv[argv.index('--') + 1 :])}")
             wait_healthy(name, f"127.0.0.1:{health}", server, args.timeout)
@@ -786,14 +788,7 @@ def main(argv: list[str] | None = None) -> int:
             "0",
         ]
         argv = b.run_argv(ctrs["realtime"], user["realtime"], edge_argv)
-        with (logs / "realtime.log").open("wb") as logfile:
-            edge = subprocess.Popen(
-                argv,
-                stdout=logfile,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        edge = _start_logged(argv, logs / "realtime.log")
         procs.insert(0, ("realtime", edge))
         log(f"realtime: started pid {edge.pid}: buildah run ... {' '.join(edge_argv)}")
         wait_http_ok("realtime", f"http://127.0.0.1:{ports['realtime']}/healthz", edge, args.timeout)
