@@ -362,7 +362,7 @@ def test_on_the_frame_clock_an_append_waits_for_the_tick_without_waking_the_engi
     try:
         engine.submit([_frames(0, 2)])  # one frame a tick: s0 stays runnable, the engine waits
         steps.wait_for(1)
-        engine.submit([_frames(1, 1)])
+        engine.submit([_frames(1, 1)], appends_only=True)  # as the worker's command handler says
         time.sleep(0.2)
         assert engine.active_requests == 1  # s1's append waits in the inbox for the tick
         engine.submit([AbortOlder("s0", 2)])  # control: woken at once, s1 applied with it
@@ -372,6 +372,30 @@ def test_on_the_frame_clock_an_append_waits_for_the_tick_without_waking_the_engi
         assert engine.active_requests == 2
     finally:
         engine.stop()
+
+
+async def test_the_command_handler_says_appends_only_exactly_when_a_command_holds_nothing_else() -> None:
+    from duplex.v1 import worker_pb2
+
+    said: list[bool] = []
+    async with worker(model_factory=lambda device: FakeModel()) as (server, stub):
+        submit = server.engine.submit
+
+        def recording(commands: list[object], *, appends_only: bool = False) -> None:
+            said.append(appends_only)
+            submit(commands, appends_only=appends_only)  # type: ignore[arg-type]
+
+        server.engine.submit = recording  # type: ignore[method-assign]
+        await stub.Attach(worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1"), timeout=5)
+        run = RunClient(stub, "o1")
+        frame = pcm(np.zeros(FRAME, np.float32))
+        run.send(sub("r1", "s1", APPEND, seq=1, data=frame))
+        await run.until(lambda m: any(u.input_seq == 1 for u in m.updates))
+        run.send(sub("r1", "s1", APPEND, seq=2, data=frame), sub("r1", "s1", COMMIT))
+        await run.until(lambda m: any(u.committed_samples for u in m.updates))
+        run.close()
+    # Commands of APPENDs alone (the first may be the stream's empty opening one), then the COMMIT's.
+    assert said[-1] is False and all(said[:-1]) and len(said) >= 2, said
 
 
 def test_a_request_behind_catches_up_by_extra_frames_in_the_next_ticks() -> None:

@@ -206,7 +206,8 @@ class CommandHandler:
             if live:
                 engine_cmds.append(ReleaseSession(sid))
             sessions.forget(sid)
-        self._engine.submit(engine_cmds)
+        control = len(engine_cmds) != len(appends)  # anything but an APPEND wakes the engine
+        self._engine.submit(engine_cmds, appends_only=not control)
         if rejected:
             self._hub.send_updates(owner, rejected)
 

@@ -133,19 +133,17 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, commands: Sequence[EngineCommand]) -> None:
-        """Queue commands for the engine thread (applied in order before its next step)."""
+    def submit(self, commands: Sequence[EngineCommand], *, appends_only: bool = False) -> None:
+        """Queue commands for the engine thread (applied in order before its next step).
+        ``appends_only``: the caller knows they are all APPENDs; on the frame clock they wait for
+        the tick anyway and do not wake a thread waiting for it (each wake is a GIL hand-over)."""
         if self.dead is not None:
             raise EngineDeadError()
         if not commands:
             return
         with self._cond:
             self._inbox.extend(commands)
-            # Frame clock: input waits for the tick anyway, so appends do not wake a thread
-            # that is waiting for it (each wake is a GIL hand-over); anything else does.
-            if not self._awaiting_tick or any(
-                not isinstance(c, Enqueue) or c.work.kind != APPEND for c in commands
-            ):
+            if not (appends_only and self._awaiting_tick):
                 self._cond.notify()
 
     @property

@@ -203,12 +203,14 @@ class ClientEvents(Failover):
         self._mailbox.charge(size)
         self._submit_wait = (written, self._clock.now() + self._cfg.submit_timeout_s)
         ticket = self._answers.later()
-        written.add_done_callback(lambda _: self._mailbox.discharge(size))
-        written.add_done_callback(
-            lambda f: self._answers.then(
+
+        def on_written(f: asyncio.Future[None]) -> None:
+            self._mailbox.discharge(size)  # at once: the bound is about bytes held, not answers
+            self._answers.then(
                 ticket, lambda: self._append_written(f, link, seq, seq_epoch, fence, received, event_id)
             )
-        )
+
+        written.add_done_callback(on_written)
 
     def _append_written(
         self,
