@@ -59,18 +59,22 @@ def parse_status_switches(status: str) -> int:
 
 def proc_detail(pid: int) -> dict[str, float] | None:
     """``user_s``, ``system_s`` and ``switches`` (context switches summed over the threads alive
-    now: a thread that ended took its count with it) of a process; None once it is gone."""
+    now: a thread that ended took its count with it) of a process, and ``main_s``: the CPU of its
+    main thread alone (a service's event loop: what runs there is serving, never the model's
+    compute, which has threads of its own); None once it is gone."""
     ticks = os.sysconf("SC_CLK_TCK")
     try:
         with open(f"/proc/{pid}/stat") as f:
             user, system = parse_stat_times(f.read(), ticks)
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            main = parse_stat_cpu(f.read(), ticks)
         switches = 0
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
                 switches += parse_status_switches(f.read())
     except (OSError, ValueError, IndexError):
         return None
-    return {"user_s": user, "system_s": system, "switches": float(switches)}
+    return {"user_s": user, "system_s": system, "switches": float(switches), "main_s": main}
 
 
 def cpu_seconds(pid: int | None = None) -> float | None:

@@ -330,6 +330,14 @@ def _issue21(sections: dict[str, Any]) -> dict[str, Any]:
         "worker_overhead_us_per_frame_streams": _overhead(tiers),
         "worker_overhead_us_per_frame_lanes": _overhead(lanes),
         "model_whole_us_per_frame_lanes": _get(lanes, "model_whole_us_per_frame"),
+        # Where the overhead sits: the worker's event loop thread (serving alone) and what its
+        # other threads spend beyond the model's share (the engine's Python, the model slowed
+        # by everything running beside it).
+        "worker_event_loop_us_per_frame_streams": _get(tiers, "worker_split_us_per_frame", "event_loop"),
+        "worker_event_loop_us_per_frame_lanes": _get(lanes, "worker_split_us_per_frame", "event_loop"),
+        "worker_threads_beyond_model_us_per_frame_lanes": _get(
+            lanes, "worker_split_us_per_frame", "other_beyond_model"
+        ),
         "lanes_mean_batch": _get(lanes, "mean_batch"),
         "worker_ceiling_sessions": _get(null, "ceiling_sessions"),
         "worker_ceiling_first_behind": _get(null, "first_behind_sessions"),
@@ -960,6 +968,8 @@ def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
         if key not in missed or not tiers:
             continue
         d = _get(tiers, "cpu_detail_per_frame", "worker")
+        row = tiers if mode == "streams" else tiers.get("lanes_compared") or {}
+        split = _get(row, "worker_split_us_per_frame")
         batch = _get(tiers, "mean_batch") if mode == "streams" else latest.get("lanes_mean_batch")
         lines.append(
             f"- worker overhead ({mode}): {f(latest.get(key), '.0f')} µs per session-frame at a mean batch "
@@ -969,6 +979,13 @@ def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
                 f"protobuf) and {d['kernel_us']:.0f} µs in the kernel, {d['switches']:.1f} context switches "
                 "per session-frame"
                 if d and mode == "streams"
+                else ""
+            )
+            + (
+                f"; by thread, the event loop (commands, fences, conversion, writes: never the model) "
+                f"{split['event_loop']:.0f} µs and the other threads (engine, the model's helpers, gRPC's) "
+                f"{split['other_beyond_model']:.0f} µs beyond the model's whole share from its plain loop"
+                if split
                 else ""
             )
             + "; the worker ceiling's null model (no session service, commands replayed) costs "

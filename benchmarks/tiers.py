@@ -251,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
     )
+    split = worker_split(detail.get("worker"), us["worker"], model_us + reply_us)
+    result["worker_split_us_per_frame"] = split
+    if split is not None:
+        print(
+            f"  worker by thread: its event loop {split['event_loop']:.0f} µs per session-frame (serving "
+            f"alone: the model never runs there); its other threads (engine, the model's helpers, gRPC's) "
+            f"{split['other_threads']:.0f} µs against the model's whole share of {model_us + reply_us:.0f}"
+        )
     if us["session"] is not None and us["worker"] is not None:
         print(
             f"  ratios to the model at the same batch: session {us['session'] / model_us:.1f}x, "
@@ -298,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             "(from each append's deadline); the model's whole share at its batch "
             f"{lanes['model_whole_us_per_frame']:.0f} µs, worker overhead "
             f"{fmt(lanes['worker_overhead_us_per_frame'], '.0f')} µs per session-frame"
+            + _split_note(lanes["worker_split_us_per_frame"])
             + (
                 ""
                 if lanes["held_real_time"]
@@ -386,6 +395,7 @@ def compared_row(
         "reply_per_input": r.merged["reply_frames"] / frames,
         "mean_batch": _mean_batch(batches)[0],
         "cpu_us_per_frame": _per_frame(r.cpu_s, frames),
+        "worker_detail_per_frame": per_frame_detail(r.cpu_detail, frames).get("worker"),
         "ack_p99_ms": step_row(r, why)["ack_ms"]["p99"],
         "held_real_time": not why,
         "why": why,
@@ -410,8 +420,35 @@ def add_model_share(
         model_reply_us_per_frame=reply,
         model_whole_us_per_frame=whole,
         worker_overhead_us_per_frame=overhead(row["cpu_us_per_frame"].get("worker"), whole),
+        worker_split_us_per_frame=worker_split(
+            row.get("worker_detail_per_frame"), row["cpu_us_per_frame"].get("worker"), whole
+        ),
         mean_batch_fraction=row["mean_batch"] / sessions,
     )
+
+
+def _split_note(split: dict[str, float] | None) -> str:
+    if split is None:
+        return ""
+    return (
+        f" (its event loop {split['event_loop']:.0f}, its other threads "
+        f"{split['other_threads']:.0f}, {split['other_beyond_model']:.0f} beyond the model's share)"
+    )
+
+
+def worker_split(
+    detail: dict[str, float] | None, worker_us: float | None, model_whole_us: float
+) -> dict[str, float] | None:
+    """The worker's CPU per session-frame split by thread: ``event_loop`` (its main thread:
+    commands, fences, conversion, writes; never the model) and ``other_threads`` (the engine
+    thread with the model's steps, the model's helper threads, gRPC's threads), and what the
+    latter spend beyond the model's whole share measured in a plain loop (``other_beyond_model``:
+    the engine's own Python, plus the model running slower beside everything else)."""
+    if detail is None or worker_us is None or "main_thread_us" not in detail:
+        return None
+    main = detail["main_thread_us"]
+    other = worker_us - main
+    return {"event_loop": main, "other_threads": other, "other_beyond_model": other - model_whole_us}
 
 
 def per_frame_detail(
@@ -419,7 +456,8 @@ def per_frame_detail(
 ) -> dict[str, dict[str, float] | None]:
     """``CpuMeter.detail`` per session-frame: ``user_us``, ``kernel_us`` and ``switches``. Where a
     tier's CPU goes that no Python profiler sees: the kernel (syscalls, loopback TCP, scheduling)
-    and the hand-offs between gRPC's threads and the event loop."""
+    and the hand-offs between gRPC's threads and the event loop. ``main_thread_us``: the event
+    loop's thread alone, where one was measured."""
     out: dict[str, dict[str, float] | None] = {}
     for name, d in detail.items():
         out[name] = (
@@ -429,6 +467,7 @@ def per_frame_detail(
                 "user_us": 1e6 * d["user_s"] / frames,
                 "kernel_us": 1e6 * d["system_s"] / frames,
                 "switches": d["switches"] / frames,
+                **({"main_thread_us": 1e6 * d["main_s"] / frames} if "main_s" in d else {}),
             }
         )
     return out

@@ -37,6 +37,19 @@ def test_tiers_detail_is_per_session_frame():
     assert tiers.per_frame_detail(detail, 0.0)["session"] is None  # nothing measured is no figure
 
 
+def test_the_worker_is_split_into_its_event_loop_and_its_other_threads():
+    here = _sys.proc_detail(os.getpid())
+    assert here is not None and 0 < here["main_s"] <= here["user_s"] + here["system_s"] + 0.02
+    detail = {"worker": {"user_s": 0.1, "system_s": 0.05, "switches": 10.0, "main_s": 0.04}}
+    per = tiers.per_frame_detail(detail, 1000.0)["worker"]
+    assert per is not None and per["main_thread_us"] == pytest.approx(40.0)
+    split = tiers.worker_split(per, 150.0, 70.0)
+    assert split == pytest.approx({"event_loop": 40.0, "other_threads": 110.0, "other_beyond_model": 40.0})
+    # Without a main-thread reading (or a worker figure) there is no split to report.
+    assert tiers.worker_split({"user_us": 1.0, "kernel_us": 1.0, "switches": 1.0}, 150.0, 70.0) is None
+    assert tiers.worker_split(per, None, 70.0) is None
+
+
 def test_tiers_mean_batch_and_cpu_per_frame_refuse_an_empty_window():
     assert tiers._mean_batch({"a": (10.0, 5.0), "b": (90.0, 15.0)}) == (8.0, 10.0)
     with pytest.raises(_sys.NoMeasurement, match="no step"):
