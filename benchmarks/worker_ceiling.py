@@ -12,8 +12,8 @@ and every frame period (32 ms) writes ONE ``WorkerCommand`` carrying one APPEND 
 frame for every session. The command's bytes are built once per N (each session's ``Submission``
 serialized without its seq) and, per tick, joined with the tick's seq field: protobuf takes fields
 in any order, so the seq goes last and every session's submission has the same length (one
-length prefix for all). The driver reads the StepOutputs and counts the input acks
-(``RequestUpdate.input_seq``).
+length prefix for all). The driver asks for steps in columns, as the session service does, and
+counts the input acks (``StepColumns.input_seq``).
 
 Per step, over the window after the warm-up:
 
@@ -133,7 +133,7 @@ class _Counts:
     """What the driver's reader saw on one Run stream."""
 
     acked: int = 0
-    """Updates reporting an input frame consumed (``input_seq`` set)."""
+    """Acks of an input frame consumed (``StepColumns.input_seq`` set)."""
     steps: int = 0
     """StepOutputs of engine steps (``step`` > 0)."""
     errors: dict[str, int] = field(default_factory=dict)
@@ -209,7 +209,8 @@ async def measure(
             RUN_METHOD, request_serializer=None, response_deserializer=worker_pb2.StepOutput.FromString
         )
         call: Any = run()
-        await call.write(worker_pb2.WorkerCommand(owner=owner).SerializeToString())
+        # Steps in columns, as the session service's link asks for them.
+        await call.write(worker_pb2.WorkerCommand(owner=owner, step_columns=True).SerializeToString())
         sem = asyncio.Semaphore(64)
 
         async def attach(sid: str) -> None:
@@ -231,14 +232,14 @@ async def measure(
                     if out.step:
                         counts.steps += 1
                     now = time.monotonic()
-                    for upd in out.updates:
-                        seq = upd.input_seq
+                    for seq in out.columns.input_seq:
                         if seq:
                             counts.acked += 1
                             got = per_seq[seq] = per_seq.get(seq, 0) + 1
                             if got == sessions:
                                 done_at[seq] = now
-                        elif upd.error.code:
+                    for upd in out.updates:
+                        if upd.error.code:
                             counts.errors[upd.error.code] = counts.errors.get(upd.error.code, 0) + 1
             except grpc.aio.AioRpcError as exc:
                 counts.ended = exc.code().name

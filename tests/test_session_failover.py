@@ -874,6 +874,39 @@ def _update(
     return worker_pb2.StepOutput(step=0, updates=[upd])
 
 
+def _columns(*rows: tuple[str, int, int]) -> worker_pb2.StepOutput:
+    """A step in columns: (request id, epoch, input_seq) per request stepped."""
+    step = worker_pb2.StepOutput(step=5)
+    for rid, epoch, seq in rows:
+        c = step.columns
+        c.request_id.append(rid)
+        c.session_id.append(rid)
+        c.epoch.append(epoch)
+        c.turn_id.append(0)
+        c.input_seq.append(seq)
+    return step
+
+
+def test_liveness_reads_acks_and_steps_in_columns() -> None:
+    now = [100.0]
+    live = Liveness(respond_answers=True, clock=lambda: now[0])
+    live.written([_sub(APPEND, seq=1), _sub(APPEND, seq=2), _sub(RESPOND, rid="r2")])
+    now[0] += 2
+    assert live.owing == 2 and live.quiet_for() == 2.0
+    live.heard(_columns(("r1", 1, 1), ("r2", 1, 0)))  # r2 stepped (its RESPOND answered), r1 half
+    assert live.owing == 1 and live.quiet_for() == 0.0
+    live.heard(_columns(("r1", 0, 9)))  # an older epoch's ack settles nothing
+    assert live.owing == 1
+    live.heard(_columns(("r1", 1, 0)))  # stepped without consuming more: still owed
+    assert live.owing == 1
+    live.heard(_columns(("r1", 1, 2)))
+    assert live.owing == 0
+    # A newer epoch's ack: the worker dropped the older work, nothing more comes of it.
+    live.written([_sub(APPEND, seq=3)])
+    live.heard(_columns(("r1", 2, 1)))
+    assert live.owing == 0
+
+
 APPEND = worker_pb2.SUBMISSION_KIND_APPEND
 CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
 COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT

@@ -495,9 +495,11 @@ class _Recorder:
         self.link = link
         self.session_id = SID
         self.calls: list[tuple[object, object, list[str]]] = []
+        self.acks: list[int] = []
 
-    def on_output(self, fence, payload, updates) -> None:  # type: ignore[no-untyped-def]
+    def on_output(self, fence, payload, updates, input_seq=0) -> None:  # type: ignore[no-untyped-def]
         self.calls.append((fence, payload, ["error" if u.HasField("error") else "news" for u in updates]))
+        self.acks.append(input_seq)
 
 
 def _step(req_ids: list[str], n_audio: int, *, sparse: bool = True) -> worker_pb2.StepOutput:
@@ -533,6 +535,53 @@ def test_router_routes_by_request_and_fails_closed() -> None:
     n = len(rec.calls)
     router.on_step(FakeLink(), _step([SID], 1))
     assert len(rec.calls) == n
+
+
+def test_router_reads_a_step_in_columns_as_it_reads_one_in_rows() -> None:
+    from session_service.workers.step_routing import Router, SessionRegistry
+
+    link = FakeLink()
+    reg = SessionRegistry()
+    rec = _Recorder(link)
+    reg.add(rec)  # type: ignore[arg-type]
+    router = Router(reg)
+    rows = _step([SID], 1)
+    rows.updates.add(request_id=SID, fence=Fence(SID, 1, 1).to_proto(), input_seq=7)
+    cols = _step([SID], 1)
+    del cols.batch[:]
+    c = cols.columns
+    c.request_id.extend([SID, "other"])
+    c.session_id.extend([SID, "other"])
+    c.epoch.extend([1, 1])
+    c.turn_id.extend([1, 1])
+    c.input_seq.extend([7, 0])
+    router.on_step(link, rows)
+    router.on_step(link, cols)
+    (f_rows, p_rows, u_rows), (f_cols, p_cols, u_cols) = rec.calls
+    # The same audio, fence and news reach the session; the ack comes as an argument, not an update.
+    assert p_rows == p_cols and p_cols is not None
+    assert (f_cols.session_id, f_cols.epoch, f_cols.turn_id) == (
+        f_rows.session_id,
+        f_rows.epoch,
+        f_rows.turn_id,
+    )  # type: ignore[attr-defined]
+    assert u_rows == ["news", "news"] and u_cols == ["news"] and rec.acks == [0, 7]
+    # An ack alone in the columns reaches its session; audio naming a request outside the
+    # columns reaches no session, as audio outside a batch does.
+    lone = worker_pb2.StepOutput(step=4)
+    lone.columns.request_id.append(SID)
+    lone.columns.session_id.append(SID)
+    lone.columns.epoch.append(1)
+    lone.columns.turn_id.append(1)
+    lone.columns.input_seq.append(8)
+    router.on_step(link, lone)
+    assert rec.calls[-1] == (rec.calls[-1][0], None, []) and rec.acks[-1] == 8
+    lone.outputs.output_type = worker_pb2.OUTPUT_TYPE_AUDIO
+    lone.outputs.sparse_audio = True
+    lone.outputs.req_id.append("other")
+    lone.outputs.audio.add(pcm=FRAME)
+    router.on_step(link, lone)
+    assert rec.calls[-1][1] is None
 
 
 async def test_worker_loss_fails_the_active_response() -> None:

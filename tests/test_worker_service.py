@@ -26,7 +26,9 @@ from tests.worker_helpers import (
     RESPOND,
     STARTED,
     RunClient,
+    acks_of,
     audio_of,
+    batch_ids,
     error_codes,
     fence,
     load_speech,
@@ -94,14 +96,19 @@ def _send_utterance(run: RunClient, signal: np.ndarray) -> list[np.ndarray]:
     return chunks
 
 
-async def test_full_parrot_turn_over_grpc() -> None:
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
+async def test_full_parrot_turn_over_grpc(columns: bool) -> None:
     speech = load_speech("hello.wav")
     signal = pad_frames(speech, silence_s=0.8)
     async with worker() as (_, stub):
         await attach(stub, "s1", "o1")
-        run = RunClient(stub, "o1")
+        run = RunClient(stub, "o1", columns=columns)
         chunks = _send_utterance(run, signal)
         msgs = await run.until(lambda m: any(u.turn_ended for u in m.updates))
+        if len(chunks) not in acks_of(msgs, "r1"):
+            msgs += await run.until(lambda m: len(chunks) in acks_of([m], "r1"))
+        # Every chunk acknowledged once consumed, in order, in either form.
+        assert acks_of(msgs, "r1") == list(range(1, len(chunks) + 1))
         ups = updates_of(msgs, "r1")
         start = next(v.sample_offset for u in ups for v in u.vad if v.kind == STARTED)
         committed = next(u.committed_samples for u in ups if u.turn_ended)
@@ -128,6 +135,13 @@ async def test_full_parrot_turn_over_grpc() -> None:
         payload_steps = [m for m in msgs if m.outputs.req_id]
         assert all(list(m.outputs.req_id) == ["r1"] and len(m.outputs.audio) == 1 for m in payload_steps)
         assert len(payload_steps) == -(-committed // FRAME)
+        steps = [m for m in msgs if m.step]
+        if columns:  # the batch and the acks in arrays, never a message per request
+            assert all(not m.batch and list(m.columns.request_id) == ["r1"] for m in steps)
+            assert all(m.columns.session_id[0] == "s1" and m.columns.epoch[0] == 1 for m in steps)
+            assert not any(u.input_seq for m in msgs for u in m.updates)
+        else:
+            assert all(not m.HasField("columns") and batch_ids(m) == ["r1"] for m in steps)
         run.close()
 
 

@@ -110,11 +110,13 @@ class RunClient:
         owner: str,
         *,
         releases: tuple[worker_pb2.Release, ...] = (),
+        columns: bool = False,
     ) -> None:
-        """``releases``: carried by the stream's first command (with the owner)."""
+        """``releases``: carried by the stream's first command (with the owner); ``columns``:
+        the stream asks for steps in columns (``WorkerCommand.step_columns``)."""
         self.owner = owner
         self._out: asyncio.Queue[worker_pb2.WorkerCommand | None] = asyncio.Queue()
-        self._out.put_nowait(worker_pb2.WorkerCommand(owner=owner, release=releases))
+        self._out.put_nowait(worker_pb2.WorkerCommand(owner=owner, release=releases, step_columns=columns))
         self.call = stub.Run(self._commands())
         self.received: list[worker_pb2.StepOutput] = []
         self.held: list[worker_pb2.StepOutput] = []
@@ -192,6 +194,26 @@ def updates_of(msgs: list[worker_pb2.StepOutput], request_id: str) -> list[worke
     return [u for m in msgs for u in m.updates if u.request_id == request_id]
 
 
+def batch_ids(msg: worker_pb2.StepOutput) -> list[str]:
+    """A step's requests in batch order, in either form (rows or columns)."""
+    if msg.HasField("columns"):
+        return list(msg.columns.request_id)
+    return [e.request_id for e in msg.batch]
+
+
+def acks_of(msgs: list[worker_pb2.StepOutput], request_id: str) -> list[int]:
+    """The input a request's steps acknowledged (``input_seq``), in either form."""
+    out: list[int] = []
+    for m in msgs:
+        if m.HasField("columns"):
+            c = m.columns
+            out += [
+                seq for rid, seq in zip(c.request_id, c.input_seq, strict=True) if rid == request_id and seq
+            ]
+        out += [u.input_seq for u in m.updates if u.request_id == request_id and u.input_seq]
+    return out
+
+
 def audio_of(msgs: list[worker_pb2.StepOutput], request_id: str) -> bytes:
     out = b""
     for m in msgs:
@@ -199,7 +221,7 @@ def audio_of(msgs: list[worker_pb2.StepOutput], request_id: str) -> bytes:
         if mm.sparse_audio:
             out += b"".join(p.pcm for rid, p in zip(mm.req_id, mm.audio, strict=True) if rid == request_id)
         else:
-            ids = [e.request_id for e in m.batch]
+            ids = batch_ids(m)
             out += b"".join(p.pcm for rid, p in zip(ids, mm.audio, strict=True) if rid == request_id)
     return out
 

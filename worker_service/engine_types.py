@@ -115,7 +115,11 @@ class OwnerStep:
     """Sparse: the owner's request ids, aligned to ``audio``."""
     audio: list[common_pb2.AudioPayload] = field(default_factory=list)
     """Sparse: aligned to ``audio_ids``; dense: aligned to ``batch``."""
+    input_seq: list[int] = field(default_factory=list)
+    """Aligned to ``batch``: the request's highest APPEND seq consumed where this step moved it,
+    else 0 (the acks: one per request nearly every step, so a column, not an ``Update``)."""
     updates: list[Update] = field(default_factory=list)
+    """News other than ``input_seq`` (for a step, of requests in its batch, in batch order)."""
     next_tick_at: float = 0.0
     """Frame clock: ``time.monotonic()`` of the engine's next tick as this step ended (0: the
     free clock); sent as ``StepOutput.next_tick_us``."""

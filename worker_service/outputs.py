@@ -13,13 +13,17 @@ from collections.abc import Callable
 
 from duplex.fence import Fence
 from duplex.v1 import worker_pb2
-from worker_service.engine_types import OwnerStep
+from worker_service.engine_types import OwnerStep, Update
 from worker_service.fencing import FenceTable
 from worker_service.metrics import FENCED, REQUEST_ERRORS
 
 
-def to_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:
-    """Convert one owner's step, stripping output of fences the session has moved past."""
+def to_proto(
+    fences: FenceTable, owner: str, item: OwnerStep, *, columns: bool = False
+) -> worker_pb2.StepOutput | None:
+    """Convert one owner's step, stripping output of fences the session has moved past.
+    ``columns``: the owner reads ``StepOutput.columns`` (``WorkerCommand.step_columns``), so
+    the batch and its acks go as arrays, not a message per request."""
     if item.held:
         return held_proto(fences, owner, item)
     is_current = fences.is_current
@@ -30,9 +34,11 @@ def to_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.Step
             if not item.batch and not item.updates:
                 return None
     out = worker_pb2.StepOutput(step=item.step)
-    for rid, fence in item.batch:
-        entry = out.batch.add(request_id=rid)
-        fence.write_to(entry.fence)
+    if columns:
+        _columns(out.columns, item)
+    else:
+        for rid, fence in item.batch:
+            fence.write_to(out.batch.add(request_id=rid).fence)
     if item.step:
         if item.next_tick_at:
             out.next_tick_us = max(0, int((item.next_tick_at - time.monotonic()) * 1e6))
@@ -41,30 +47,72 @@ def to_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.Step
         mm.sparse_audio = item.sparse
         mm.req_id.extend(item.audio_ids)
         mm.audio.extend(item.audio)
-    for upd in item.updates:
-        ru = out.updates.add(request_id=upd.request_id)
-        upd.fence.write_to(ru.fence)
-        if upd.error is not None:
-            REQUEST_ERRORS.labels(code=upd.error[0]).inc()
-            ru.error.code, ru.error.message = upd.error
-            continue
-        # Only what is set: most updates carry an input_seq alone, and each field set is a call.
-        if upd.input_seq:
-            ru.input_seq = upd.input_seq
-        for kind, offset in upd.vad:
-            ru.vad.add(kind=kind, sample_offset=offset)
-        if upd.text:
-            ru.text = upd.text
-        if upd.turn_ended:
-            ru.turn_ended = True
-            ru.committed_samples = upd.committed_samples
-        elif upd.committed_samples:
-            ru.committed_samples = upd.committed_samples
-        if upd.response_started:
-            ru.response_started = True
-        if upd.response_finished:
-            ru.response_finished = True
+    if columns or not any(item.input_seq):
+        for upd in item.updates:
+            _update(out.updates.add(request_id=upd.request_id), upd, 0)
+    else:
+        _rows(out, item)
     return out
+
+
+def _rows(out: worker_pb2.StepOutput, item: OwnerStep) -> None:
+    """The row form of a step's updates: a request's ack rides in its update with news, or goes
+    alone; one update per request, in batch order, as the engine made them."""
+    news: dict[str, list[Update]] = {}
+    for upd in item.updates:
+        news.setdefault(upd.request_id, []).append(upd)
+    for (rid, fence), seq in zip(item.batch, item.input_seq, strict=True):
+        mine = news.pop(rid, None)
+        if mine is not None:
+            for i, upd in enumerate(mine):
+                _update(out.updates.add(request_id=rid), upd, seq if i == 0 else 0)
+        elif seq:
+            fence.write_to(out.updates.add(request_id=rid, input_seq=seq).fence)
+    for rest in news.values():
+        for upd in rest:
+            _update(out.updates.add(request_id=upd.request_id), upd, 0)
+
+
+def _columns(cols: worker_pb2.StepColumns, item: OwnerStep) -> None:
+    """The batch and its acks as arrays (one pass; a call per column, not per request)."""
+    rids: list[str] = []
+    sids: list[str] = []
+    epochs: list[int] = []
+    turns: list[int] = []
+    for rid, fence in item.batch:
+        rids.append(rid)
+        sids.append(fence.session_id)
+        epochs.append(fence.epoch)
+        turns.append(fence.turn_id)
+    cols.request_id.extend(rids)
+    cols.session_id.extend(sids)
+    cols.epoch.extend(epochs)
+    cols.turn_id.extend(turns)
+    cols.input_seq.extend(item.input_seq)
+
+
+def _update(ru: worker_pb2.RequestUpdate, upd: Update, input_seq: int) -> None:
+    upd.fence.write_to(ru.fence)
+    if upd.error is not None:
+        REQUEST_ERRORS.labels(code=upd.error[0]).inc()
+        ru.error.code, ru.error.message = upd.error
+        return
+    # Only what is set: most updates carry little, and each field set is a call.
+    if input_seq:
+        ru.input_seq = input_seq
+    for kind, offset in upd.vad:
+        ru.vad.add(kind=kind, sample_offset=offset)
+    if upd.text:
+        ru.text = upd.text
+    if upd.turn_ended:
+        ru.turn_ended = True
+        ru.committed_samples = upd.committed_samples
+    elif upd.committed_samples:
+        ru.committed_samples = upd.committed_samples
+    if upd.response_started:
+        ru.response_started = True
+    if upd.response_finished:
+        ru.response_finished = True
 
 
 def held_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:
@@ -83,8 +131,11 @@ def strip(item: OwnerStep, stale: set[str], is_current: Callable[[Fence], bool])
     without updates whose fence is no longer current."""
     FENCED.labels(reason="stale_output").inc(len(stale))
     keep = [i for i, (rid, _) in enumerate(item.batch) if rid not in stale]
-    out = OwnerStep(step=item.step, output_type=item.output_type, sparse=item.sparse)
+    out = OwnerStep(
+        step=item.step, output_type=item.output_type, sparse=item.sparse, next_tick_at=item.next_tick_at
+    )
     out.batch = [item.batch[i] for i in keep]
+    out.input_seq = [item.input_seq[i] for i in keep]
     if item.sparse:
         pairs = [(rid, p) for rid, p in zip(item.audio_ids, item.audio, strict=True) if rid not in stale]
         out.audio_ids = [rid for rid, _ in pairs]

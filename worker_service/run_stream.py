@@ -98,9 +98,12 @@ class RunStream:
         self._sessions = sessions
         self._commands = commands
         self._reader: asyncio.Task[None] | None = None
+        self._columns = False
+        """The owner reads steps in columns (``WorkerCommand.step_columns``, first command)."""
 
     def start(self, first: worker_pb2.WorkerCommand, rest: AsyncIterator[worker_pb2.WorkerCommand]) -> None:
         """Apply the first command; if the stream goes on, read the others in a task."""
+        self._columns = first.step_columns
         if self._apply(first):
             self._reader = asyncio.create_task(self._read(first.owner, rest))
 
@@ -111,7 +114,7 @@ class RunStream:
             item = await self._channel.get()
             if item is None:
                 return
-            msg = to_proto(self._sessions.fences, self.owner, item)
+            msg = to_proto(self._sessions.fences, self.owner, item, columns=self._columns)
             if msg is not None and not await _write(context, msg):
                 return  # the stream ended while the write waited
 

@@ -66,11 +66,13 @@ def collect_news(
     step_news: list[RequestNews | None],
     per_owner: dict[str, OwnerStep],
 ) -> None:
-    """Each request's news from the step as an update to its owner (with the input it consumed);
-    the news of a replayed frame was reported by the worker that first heard it."""
+    """Each request's ack (the input it consumed, in ``OwnerStep.input_seq``, aligned to the
+    batch the caller built in the same order) and news (an update to its owner); the news of a
+    replayed frame was reported by the worker that first heard it."""
     if len(step_news) != len(batch):
         raise RuntimeError(f"model returned news for {len(step_news)} of {len(batch)} requests")
     for req, fence, was_replay, n in zip(batch, fences, replayed, step_news, strict=True):
+        out = per_owner[req.owner]
         if n is not None and n.turn_ended:
             req.unanswered = n.committed_samples
         if was_replay and n is not None and n.error is None:
@@ -78,26 +80,37 @@ def collect_news(
             n.vad, n.text, n.turn_ended, n.committed_samples = [], "", False, 0
             if not (n.response_started or n.response_finished):
                 n = None
-        seq_changed = req.seq_done != req.seq_reported
-        if n is None and not seq_changed:
-            continue
-        upd = Update(req.request_id, fence)
         if n is not None and n.error is not None:
             logger.warning("model error on a request: %s", n.error)
-            upd.error = (ErrorCode.MODEL_ERROR.value, "the model failed on this request")
+            out.input_seq.append(0)  # set alone: the input is reported once the request goes on
+            out.updates.append(
+                Update(
+                    req.request_id,
+                    fence,
+                    error=(ErrorCode.MODEL_ERROR.value, "the model failed on this request"),
+                )
+            )
             if req.reply_fence is not None:
                 model.cancel_response(req.state)
+            continue
+        if req.seq_done != req.seq_reported:
+            out.input_seq.append(req.seq_done)
+            req.seq_reported = req.seq_done
         else:
-            if seq_changed:
-                upd.input_seq = req.seq_reported = req.seq_done
-            if n is not None:
-                upd.vad = n.vad
-                upd.text = n.text
-                upd.turn_ended = n.turn_ended
-                upd.committed_samples = n.committed_samples
-                upd.response_started = n.response_started
-                upd.response_finished = n.response_finished
-        per_owner[req.owner].updates.append(upd)
+            out.input_seq.append(0)
+        if n is not None:
+            out.updates.append(
+                Update(
+                    req.request_id,
+                    fence,
+                    vad=n.vad,
+                    text=n.text,
+                    turn_ended=n.turn_ended,
+                    committed_samples=n.committed_samples,
+                    response_started=n.response_started,
+                    response_finished=n.response_finished,
+                )
+            )
 
 
 def route_audio(

@@ -364,8 +364,13 @@ class WorkerCommand(_message.Message):
     SUBMIT_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    STEP_COLUMNS_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """The owner's id. Required in the first command of a Run stream."""
+    step_columns: _builtins.bool
+    """In the first command of a Run stream: the owner reads the columnar form of a step
+    (`StepOutput.columns`); without it the worker sends `batch` and per-request updates.
+    """
     @_builtins.property
     def submit(self) -> _containers.RepeatedCompositeFieldContainer[Global___Submission]:
         """Work, in order."""
@@ -385,14 +390,66 @@ class WorkerCommand(_message.Message):
         submit: _abc.Iterable[Global___Submission] | None = ...,
         abort: _abc.Iterable[Global___Abort] | None = ...,
         release: _abc.Iterable[Global___Release] | None = ...,
+        step_columns: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "owner", b"owner", "release", b"release", "submit", b"submit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "owner", b"owner", "release", b"release", "step_columns", b"step_columns", "submit", b"submit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerCommand: _TypeAlias = WorkerCommand  # noqa: Y015
+
+@_typing.final
+class StepColumns(_message.Message):
+    """A step's requests as columns, for an owner that asked for them (`WorkerCommand.step_columns`):
+    what `StepOutput.batch` and an update carrying only `input_seq` hold per request, as arrays
+    aligned to `request_id`, in batch order. One decode reads every session's entry and ack;
+    nothing is built per request on either side. A StepOutput carrying columns has no `batch`,
+    and its updates carry news other than `input_seq` (VAD, text, turn ends, errors).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    INPUT_SEQ_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The requests stepped, in batch order (dense audio aligns to it)."""
+
+    @_builtins.property
+    def session_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The fence each was stepped under: its three fields, aligned to `request_id`."""
+
+    @_builtins.property
+    def epoch(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def turn_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def input_seq(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """What RequestUpdate.input_seq would say: the highest APPEND seq consumed so far in the
+        epoch, where this step moved it; 0 where it did not.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _abc.Iterable[_builtins.str] | None = ...,
+        session_id: _abc.Iterable[_builtins.str] | None = ...,
+        epoch: _abc.Iterable[_builtins.int] | None = ...,
+        turn_id: _abc.Iterable[_builtins.int] | None = ...,
+        input_seq: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "input_seq", b"input_seq", "request_id", b"request_id", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepColumns: _TypeAlias = StepColumns  # noqa: Y015
 
 @_typing.final
 class BatchEntry(_message.Message):
@@ -621,6 +678,7 @@ class StepOutput(_message.Message):
     UPDATES_FIELD_NUMBER: _builtins.int
     HELD_SESSIONS_FIELD_NUMBER: _builtins.int
     NEXT_TICK_US_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """The worker's step counter (from 1)."""
     next_tick_us: _builtins.int
@@ -654,6 +712,12 @@ class StepOutput(_message.Message):
         a lost link. Empty (and no such StepOutput) when the owner holds none.
         """
 
+    @_builtins.property
+    def columns(self) -> Global___StepColumns:
+        """The step's requests and acks as columns, instead of `batch`, for an owner that asked
+        (`WorkerCommand.step_columns`).
+        """
+
     def __init__(
         self,
         *,
@@ -663,10 +727,11 @@ class StepOutput(_message.Message):
         updates: _abc.Iterable[Global___RequestUpdate] | None = ...,
         held_sessions: _abc.Iterable[_common_pb2.Fence] | None = ...,
         next_tick_us: _builtins.int = ...,
+        columns: Global___StepColumns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "outputs", b"outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "held_sessions", b"held_sessions", "next_tick_us", b"next_tick_us", "outputs", b"outputs", "step", b"step", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "columns", b"columns", "held_sessions", b"held_sessions", "next_tick_us", b"next_tick_us", "outputs", b"outputs", "step", b"step", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -44,7 +44,7 @@ from session_service.session.lifecycle import ENDED_FOR_GOOD, CloseReason, DropR
 from session_service.session.mailbox import Mailbox
 from session_service.session.response import ActiveResponse, SilenceFeeder
 from session_service.session.state import FAILED, Placer, Restart, WorkerHandle
-from session_service.session.worker_output import WorkerOutput
+from session_service.session.worker_output import StepFence, WorkerOutput
 from session_service.trust.auth import ANONYMOUS
 from session_service.trust.resume_tokens import SessionProgress
 
@@ -443,16 +443,17 @@ class SessionRunner(ClientEvents):
 
     def on_output(
         self,
-        fence: common_pb2.Fence | None,
+        fence: StepFence | None,
         payload: common_pb2.AudioPayload | None,
         updates: Sequence[worker_pb2.RequestUpdate],
+        input_seq: int = 0,
     ) -> None:
         """One step's news for this session (see ``session_service.session.worker_output``)."""
         if self.closed:
             DROPPED[DropReason.UNKNOWN_REQUEST].inc()
             return
         try:
-            self._output.handle(fence, payload, updates)
+            self._output.handle(fence, payload, updates, input_seq)
         except DuplexError as err:
             self._error(err)
         except Exception:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from duplex.clock import Clock
 from duplex.errors import BadEventError, ErrorCode, WorkerErrorCode
@@ -60,11 +60,25 @@ for _reason in DropReason:
     DROPPED[_reason]
 
 
+class StepFence(Protocol):
+    """The fence a step's request was stepped under: a batch entry's ``common_pb2.Fence``, or a
+    ``duplex.fence.Fence`` read from the step's columns (``StepOutput.columns``)."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def turn_id(self) -> int: ...
+
+
 # ---- the rules ----------------------------------------------------------------------------------
 
 
 def audio_drop_reason(
-    fence: common_pb2.Fence | None,
+    fence: StepFence | None,
     *,
     session_id: str,
     epoch: int,
@@ -122,14 +136,18 @@ class WorkerOutput:
 
     def handle(
         self,
-        fence: common_pb2.Fence | None,
+        fence: StepFence | None,
         payload: common_pb2.AudioPayload | None,
         updates: Sequence[worker_pb2.RequestUpdate],
+        input_seq: int = 0,
     ) -> None:
-        """One step's news for this session: updates first, then audio, then completions.
-        Acks of the input the step consumed ride on the first event queued after them (the
+        """One step's news for this session: its ack and updates first, then audio, then
+        completions. ``input_seq``: the input the step consumed, from the step's columns (the
+        row form carries it in an update). Acks ride on the first event queued after them (the
         step's audio, usually), on a stream that reads them there; else they go alone."""
         try:
+            if input_seq and fence is not None:
+                self._consumed(fence.epoch, input_seq, counted=not updates)
             live = [u for u in updates if self._news(u)]
             if payload is not None:
                 self._audio(fence, payload)
@@ -154,9 +172,8 @@ class WorkerOutput:
         if u.fence.epoch < s.epoch:  # news of an epoch the session has left
             DROPPED[DropReason.STALE_EPOCH].inc()
             return False
-        if u.input_seq and u.fence.epoch == s.epoch:
-            s.replay.consumed(epoch=s.epoch, seq=u.input_seq)
-            s.emitter.acks(s.acks.consumed(u.input_seq), ride=True)
+        if u.input_seq:
+            self._consumed(u.fence.epoch, u.input_seq, counted=False)
         for vad in u.vad:
             if vad.kind == SPEECH_STARTED:
                 self.speech = SpeechStatus.SPEAKING
@@ -187,7 +204,18 @@ class WorkerOutput:
             s.apply_runtime(dict(s.runtime_config) | patch)
         return True
 
-    def _audio(self, fence: common_pb2.Fence | None, payload: common_pb2.AudioPayload) -> None:
+    def _consumed(self, epoch: int, input_seq: int, *, counted: bool) -> None:
+        """The worker consumed this epoch's input up to ``input_seq``: acks, and the replay log
+        trimmed. An ack of an epoch the session left is dropped (``counted``: as the only news
+        of its step, an update with news having been counted already)."""
+        s = self._session
+        if epoch == s.epoch:
+            s.replay.consumed(epoch=s.epoch, seq=input_seq)
+            s.emitter.acks(s.acks.consumed(input_seq), ride=True)
+        elif epoch < s.epoch and counted:
+            DROPPED[DropReason.STALE_EPOCH].inc()
+
+    def _audio(self, fence: StepFence | None, payload: common_pb2.AudioPayload) -> None:
         s = self._session
         resp = s.response
         reason = audio_drop_reason(

@@ -352,7 +352,7 @@ class WorkerLink:
         # the worker applies them before it lists what it holds for this replica.
         kept = self._kept.take()
         try:
-            await call.write(worker_pb2.WorkerCommand(owner=self.owner, release=kept))
+            await call.write(worker_pb2.WorkerCommand(owner=self.owner, release=kept, step_columns=True))
         except BaseException:
             self._kept.keep([r for r in kept if r.fence.session_id not in self._kept], count=False)
             raise

@@ -107,6 +107,8 @@ class Liveness:
         owed = self._owed
         if not owed:
             return
+        if step.HasField("columns"):
+            self._heard_columns(step.columns)
         for entry in step.batch:
             o = owed.get(entry.request_id)
             if o is not None and entry.fence.epoch == o.epoch:
@@ -127,6 +129,24 @@ class Liveness:
                 o.seq = 0
             if not o.seq:
                 del owed[u.request_id]
+
+    def _heard_columns(self, cols: worker_pb2.StepColumns) -> None:
+        """A step in columns: each request stepped is answered, as by a batch entry, and its
+        ack (``input_seq``, 0: none) settles its input, as in an update."""
+        owed = self._owed
+        for rid, epoch, seq in zip(cols.request_id, cols.epoch, cols.input_seq, strict=True):
+            o = owed.get(rid)
+            if o is None or epoch < o.epoch:
+                continue
+            if epoch > o.epoch:
+                if seq:
+                    del owed[rid]  # the worker moved on past what was owed: nothing more comes of it
+                continue
+            o.answer = False
+            if seq >= o.seq:
+                o.seq = 0
+            if not o.seq:
+                del owed[rid]
 
     def quiet_for(self, now: float | None = None) -> float:
         """Seconds the worker has owed something without sending anything (0 when it owes

@@ -47,9 +47,17 @@ class RoutedStep:
     failed_closed: SparseCause | None
 
 
-def route_step(step: worker_pb2.StepOutput, *, reporter: FailClosedReporter | None = None) -> RoutedStep:
-    """Route ``step``'s payloads; never raises for a bad declaration (it fails closed)."""
-    batch_ids = tuple(entry.request_id for entry in step.batch)
+def route_step(
+    step: worker_pb2.StepOutput,
+    batch_ids: tuple[str, ...] | None = None,
+    *,
+    reporter: FailClosedReporter | None = None,
+) -> RoutedStep:
+    """Route ``step``'s payloads; never raises for a bad declaration (it fails closed).
+    ``batch_ids``: the step's requests in batch order, when the caller read them already (from
+    ``StepOutput.columns`` or ``batch``); else they are read from ``batch``."""
+    if batch_ids is None:
+        batch_ids = tuple(entry.request_id for entry in step.batch)
     outputs = step.outputs
     if outputs.output_type != _AUDIO:
         # Dense by definition: the sparse fields are not even read.

@@ -21,10 +21,12 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+from duplex.fence import Fence
 from duplex.v1 import common_pb2, worker_pb2
 from session_service.metrics import DROPPED, RECONCILED
 from session_service.session.lifecycle import DropReason
 from session_service.session.runner import SessionRunner, WorkerHandle
+from session_service.session.worker_output import StepFence
 from session_service.workers.sparse_check import route_step
 
 log = logging.getLogger(__name__)
@@ -70,16 +72,32 @@ class Router:
     def on_step(self, link: ReconcilingLink, step: worker_pb2.StepOutput) -> None:
         if step.held_sessions:
             self.reconcile(link, step.held_sessions)
-        routed = route_step(step)
+        fences: dict[str, StepFence]
+        acks: dict[str, int] = {}
+        if step.HasField("columns"):
+            # The columnar form: one decode per column for the whole step, no message per request.
+            cols = step.columns
+            batch_ids = tuple(cols.request_id)
+            fences = {
+                rid: Fence(sid, epoch, turn)
+                for rid, sid, epoch, turn in zip(
+                    batch_ids, cols.session_id, cols.epoch, cols.turn_id, strict=True
+                )
+            }
+            acks = {rid: seq for rid, seq in zip(batch_ids, cols.input_seq, strict=True) if seq}
+        else:
+            batch_ids = tuple(e.request_id for e in step.batch)
+            fences = {e.request_id: e.fence for e in step.batch}
+        routed = route_step(step, batch_ids)
         if routed.failed_closed is not None:
             DROPPED[DropReason.FAIL_CLOSED].inc(len(step.outputs.audio))
-        fences: dict[str, common_pb2.Fence] = {e.request_id: e.fence for e in step.batch}
         updates: dict[str, list[worker_pb2.RequestUpdate]] = {}
         for u in step.updates:
             updates.setdefault(u.request_id, []).append(u)
-        # Batch order first (audio order), then requests with only news.
+        # Batch order first (audio order), then requests with only news or acks.
         targets = dict.fromkeys(rid for rid in routed.downstream_req_ids if rid in routed.payloads)
         targets.update(dict.fromkeys(updates))
+        targets.update(dict.fromkeys(acks))
         for rid in targets:
             runner = self._registry.get(rid)
             if runner is None:
@@ -89,7 +107,9 @@ class Router:
                 DROPPED[DropReason.STALE_WORKER].inc()
                 continue
             try:
-                runner.on_output(fences.get(rid), routed.payloads.get(rid), updates.get(rid, ()))
+                runner.on_output(
+                    fences.get(rid), routed.payloads.get(rid), updates.get(rid, ()), acks.get(rid, 0)
+                )
             except Exception:  # one session's failure must not starve the others
                 log.exception("routing to session %s failed", rid)
 
