@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from duplex.clock import Clock
 from duplex.errors import BadEventError, ErrorCode, WorkerErrorCode
@@ -62,7 +62,7 @@ for _reason in DropReason:
 
 class StepFence(Protocol):
     """The fence a step's request was stepped under: a batch entry's ``common_pb2.Fence``, or a
-    ``duplex.fence.Fence`` read from the step's columns (``StepOutput.columns``)."""
+    ``ColumnFence`` read from the step's columns (``StepOutput.columns``)."""
 
     @property
     def session_id(self) -> str: ...
@@ -72,6 +72,14 @@ class StepFence(Protocol):
 
     @property
     def turn_id(self) -> int: ...
+
+
+class ColumnFence(NamedTuple):
+    """A fence read from a step's columns (a tuple: one is made per request per step)."""
+
+    session_id: str
+    epoch: int
+    turn_id: int
 
 
 # ---- the rules ----------------------------------------------------------------------------------

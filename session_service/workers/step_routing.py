@@ -21,12 +21,11 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from duplex.fence import Fence
 from duplex.v1 import common_pb2, worker_pb2
 from session_service.metrics import DROPPED, RECONCILED
 from session_service.session.lifecycle import DropReason
 from session_service.session.runner import SessionRunner, WorkerHandle
-from session_service.session.worker_output import StepFence
+from session_service.session.worker_output import ColumnFence, StepFence
 from session_service.workers.sparse_check import route_step
 
 log = logging.getLogger(__name__)
@@ -78,12 +77,9 @@ class Router:
             # The columnar form: one decode per column for the whole step, no message per request.
             cols = step.columns
             batch_ids = tuple(cols.request_id)
-            fences = {
-                rid: Fence(sid, epoch, turn)
-                for rid, sid, epoch, turn in zip(
-                    batch_ids, cols.session_id, cols.epoch, cols.turn_id, strict=True
-                )
-            }
+            fences = dict(
+                zip(batch_ids, map(ColumnFence, cols.session_id, cols.epoch, cols.turn_id), strict=True)
+            )
             acks = {rid: seq for rid, seq in zip(batch_ids, cols.input_seq, strict=True) if seq}
         else:
             batch_ids = tuple(e.request_id for e in step.batch)
