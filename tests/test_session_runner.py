@@ -16,6 +16,7 @@ from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
 from session_service.session.response import InputTimeline, SilenceFeeder
 from session_service.session.runner import DEADLINE_LOOK_S, SessionRunner
+from session_service.workers.step_routing import Router, SessionRegistry
 from tests.fakes import ManualClock
 from tests.session_helpers import FakeLink, drain, unit_runner
 
@@ -515,14 +516,17 @@ def _step(req_ids: list[str], n_audio: int, *, sparse: bool = True) -> worker_pb
     return step
 
 
-def test_router_routes_by_request_and_fails_closed() -> None:
-    from session_service.workers.step_routing import Router, SessionRegistry
-
+def _routed() -> tuple[FakeLink, _Recorder, Router]:
+    """A router over one recording session (``SID``) placed on a fake link."""
     link = FakeLink()
     reg = SessionRegistry()
     rec = _Recorder(link)
     reg.add(rec)  # type: ignore[arg-type]
-    router = Router(reg)
+    return link, rec, Router(reg)
+
+
+def test_router_routes_by_request_and_fails_closed() -> None:
+    link, rec, router = _routed()
     router.on_step(link, _step([SID], 1))
     assert rec.calls[-1][1] is not None and rec.calls[-1][0].epoch == 1  # type: ignore[union-attr]
     # Length mismatch: no payload of the step is routed, but per-request news still is.
@@ -538,13 +542,7 @@ def test_router_routes_by_request_and_fails_closed() -> None:
 
 
 def test_router_reads_a_step_in_columns_as_it_reads_one_in_rows() -> None:
-    from session_service.workers.step_routing import Router, SessionRegistry
-
-    link = FakeLink()
-    reg = SessionRegistry()
-    rec = _Recorder(link)
-    reg.add(rec)  # type: ignore[arg-type]
-    router = Router(reg)
+    link, rec, router = _routed()
     rows = _step([SID], 1)
     rows.updates.add(request_id=SID, fence=Fence(SID, 1, 1).to_proto(), input_seq=7)
     cols = _step([SID], 1)
