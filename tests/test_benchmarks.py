@@ -884,3 +884,19 @@ def test_against_baseline_checks_out_a_commit_of_a_real_repository(tmp_path: Pat
     not_a_clone.mkdir()
     with pytest.raises(_sys.NoMeasurement, match="is not a git clone"):
         ab.checkout(first, tmp_path / "none", repo=not_a_clone)
+
+
+def test_step_forms_measures_both_forms_and_columns_are_smaller_on_the_wire() -> None:
+    from benchmarks import step_forms
+
+    rows = step_forms.measure(4)
+    assert [(r["form"], r["audio"]) for r in rows] == [
+        ("rows", False),
+        ("columns", False),
+        ("rows", True),
+        ("columns", True),
+    ]
+    assert all(r["worker_us_per_session"] > 0 and r["session_us_per_session"] > 0 for r in rows)
+    # The columns carry the same fences and acks in fewer bytes (no message per request).
+    assert rows[1]["bytes_per_session"] < rows[0]["bytes_per_session"]
+    assert rows[3]["bytes_per_session"] < rows[2]["bytes_per_session"]
