@@ -18,7 +18,7 @@ from session_service.session.response import InputTimeline, SilenceFeeder
 from session_service.session.runner import DEADLINE_LOOK_S, SessionRunner
 from session_service.workers.step_routing import Router, SessionRegistry
 from tests.fakes import ManualClock
-from tests.session_helpers import FakeLink, drain, unit_runner
+from tests.session_helpers import FakeLink, drain, sample, unit_runner
 
 FRAME = b"\x10\x00" * 512
 SID = "sess_unit"
@@ -653,6 +653,30 @@ async def test_cancel_releases_held_acks_and_worker_seqs_restart_with_the_epoch(
     assert all(s.fence.epoch == 2 for s in link.subs[-5:])
     assert acks(drain(r)) == [(1, 2), (2, 2), (3, 2)]
     r.on_output(None, None, [step_update(2, 0, input_seq=2)])
+    assert acks(drain(r)) == [(5, 2)]
+
+
+async def test_an_ack_from_a_step_in_columns_counts_only_in_its_epoch() -> None:
+    from session_service.session.worker_output import ColumnFence
+
+    link = FakeLink()
+    r = make_runner(link, **HOLD)
+    await _hand_on(r, range(1, 6))
+    assert acks(drain(r)) == [(1, 1), (2, 1), (3, 1)]
+    r.on_output(ColumnFence(SID, 1, 0), None, [], 3)
+    assert acks(drain(r)) == [(5, 1)]  # the held acks go out once the worker caught up
+    await r.post(session_pb2.ClientEvent(barge_in=session_pb2.BargeIn()))
+    await settle()
+    drain(r)
+    await _hand_on(r, range(1, 6))
+    assert acks(drain(r)) == [(1, 2), (2, 2), (3, 2)]
+    # A late ack of the epoch the session left releases nothing and is counted as dropped.
+    stale = {"reason": "stale_epoch"}
+    before = sample("duplex_session_dropped_outputs_total", stale)
+    r.on_output(ColumnFence(SID, 1, 0), None, [], 5)
+    assert acks(drain(r)) == []
+    assert sample("duplex_session_dropped_outputs_total", stale) == before + 1
+    r.on_output(ColumnFence(SID, 2, 0), None, [], 2)
     assert acks(drain(r)) == [(5, 2)]
 
 

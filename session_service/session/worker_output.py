@@ -155,7 +155,9 @@ class WorkerOutput:
         step's audio, usually), on a stream that reads them there; else they go alone."""
         try:
             if input_seq and fence is not None:
-                self._consumed(fence.epoch, input_seq, counted=not updates)
+                if fence.epoch < self._session.epoch and not updates:
+                    DROPPED[DropReason.STALE_EPOCH].inc()  # with updates, ``_news`` counts them
+                self._consumed(fence.epoch, input_seq)
             live = [u for u in updates if self._news(u)]
             if payload is not None:
                 self._audio(fence, payload)
@@ -181,7 +183,7 @@ class WorkerOutput:
             DROPPED[DropReason.STALE_EPOCH].inc()
             return False
         if u.input_seq:
-            self._consumed(u.fence.epoch, u.input_seq, counted=False)
+            self._consumed(u.fence.epoch, u.input_seq)
         for vad in u.vad:
             if vad.kind == SPEECH_STARTED:
                 self.speech = SpeechStatus.SPEAKING
@@ -212,16 +214,14 @@ class WorkerOutput:
             s.apply_runtime(dict(s.runtime_config) | patch)
         return True
 
-    def _consumed(self, epoch: int, input_seq: int, *, counted: bool) -> None:
-        """The worker consumed this epoch's input up to ``input_seq``: acks, and the replay log
-        trimmed. An ack of an epoch the session left is dropped (``counted``: as the only news
-        of its step, an update with news having been counted already)."""
+    def _consumed(self, epoch: int, input_seq: int) -> None:
+        """The worker consumed the input of ``epoch`` up to ``input_seq``: if that is the
+        session's epoch, acks, and the replay log trimmed (either form of a step, rows or
+        columns, comes here)."""
         s = self._session
         if epoch == s.epoch:
             s.replay.consumed(epoch=s.epoch, seq=input_seq)
             s.emitter.acks(s.acks.consumed(input_seq), ride=True)
-        elif epoch < s.epoch and counted:
-            DROPPED[DropReason.STALE_EPOCH].inc()
 
     def _audio(self, fence: StepFence | None, payload: common_pb2.AudioPayload) -> None:
         s = self._session

@@ -107,46 +107,42 @@ class Liveness:
         owed = self._owed
         if not owed:
             return
-        if step.HasField("columns"):
-            self._heard_columns(step.columns)
-        for entry in step.batch:
-            o = owed.get(entry.request_id)
-            if o is not None and entry.fence.epoch == o.epoch:
-                o.answer = False
-                if not o.seq:
-                    del owed[entry.request_id]
-        for u in step.updates:
-            o = owed.get(u.request_id)
-            if o is None:
-                continue
-            if u.error.code or u.fence.epoch > o.epoch:
-                del owed[u.request_id]  # rejected or failed: nothing more comes of it
-                continue
-            if u.fence.epoch < o.epoch:
-                continue
-            o.answer = False
-            if u.input_seq >= o.seq:
-                o.seq = 0
-            if not o.seq:
-                del owed[u.request_id]
-
-    def _heard_columns(self, cols: worker_pb2.StepColumns) -> None:
-        """A step in columns: each request stepped is answered, as by a batch entry, and its
-        ack (``input_seq``, 0: none) settles its input, as in an update."""
-        owed = self._owed
-        for rid, epoch, seq in zip(cols.request_id, cols.epoch, cols.input_seq, strict=True):
-            o = owed.get(rid)
-            if o is None or epoch < o.epoch:
-                continue
-            if epoch > o.epoch:
+        if step.HasField("columns"):  # each request stepped, and its ack where it has one
+            cols = step.columns
+            for rid, epoch, seq in zip(cols.request_id, cols.epoch, cols.input_seq, strict=True):
+                self._stepped(rid, epoch)
                 if seq:
-                    del owed[rid]  # the worker moved on past what was owed: nothing more comes of it
-                continue
+                    self._reported(rid, epoch, seq, failed=False)
+        for entry in step.batch:
+            self._stepped(entry.request_id, entry.fence.epoch)
+        for u in step.updates:
+            self._reported(u.request_id, u.fence.epoch, u.input_seq, failed=bool(u.error.code))
+
+    def _stepped(self, request_id: str, epoch: int) -> None:
+        """The request was stepped at ``epoch``: what it owed is answered, but for input not
+        reported consumed yet."""
+        o = self._owed.get(request_id)
+        if o is not None and epoch == o.epoch:
             o.answer = False
-            if seq >= o.seq:
-                o.seq = 0
             if not o.seq:
-                del owed[rid]
+                del self._owed[request_id]
+
+    def _reported(self, request_id: str, epoch: int, input_seq: int, *, failed: bool) -> None:
+        """News of the request at ``epoch`` with its input consumed up to ``input_seq`` (0:
+        none reported): settles what that covers."""
+        o = self._owed.get(request_id)
+        if o is None:
+            return
+        if failed or epoch > o.epoch:
+            del self._owed[request_id]  # rejected, failed or moved past: nothing more comes of it
+            return
+        if epoch < o.epoch:
+            return
+        o.answer = False
+        if input_seq >= o.seq:
+            o.seq = 0
+        if not o.seq:
+            del self._owed[request_id]
 
     def quiet_for(self, now: float | None = None) -> float:
         """Seconds the worker has owed something without sending anything (0 when it owes
