@@ -935,6 +935,11 @@ def _ceiling_md(add: Any, null: dict[str, Any] | None, parrot: dict[str, Any] | 
         add("")
 
 
+def _mode_row(tiers: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The tiers window of a client mode: the main one (streams) or the lanes one."""
+    return tiers if mode == "streams" else tiers.get("lanes_compared") or {}
+
+
 def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
     """For each missed target of the frame clock's issue, what this run's data shows bounds it
     (nothing is said where the data does not show it)."""
@@ -948,7 +953,7 @@ def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
     ):
         if key not in missed or not tiers:
             continue
-        row = tiers if mode == "streams" else tiers.get("lanes_compared") or {}
+        row = _mode_row(tiers, mode)
         held = row.get("held_real_time")
         lines.append(
             f"- mean batch ({mode}): {f(row.get('mean_batch'), '.1f')} of {tiers['sessions']} sessions"
@@ -968,7 +973,7 @@ def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
         if key not in missed or not tiers:
             continue
         d = _get(tiers, "cpu_detail_per_frame", "worker")
-        row = tiers if mode == "streams" else tiers.get("lanes_compared") or {}
+        row = _mode_row(tiers, mode)
         split = _get(row, "worker_split_us_per_frame")
         batch = _get(tiers, "mean_batch") if mode == "streams" else latest.get("lanes_mean_batch")
         lines.append(

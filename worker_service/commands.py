@@ -206,8 +206,8 @@ class CommandHandler:
             if live:
                 engine_cmds.append(ReleaseSession(sid))
             sessions.forget(sid)
-        control = len(engine_cmds) != len(appends)  # anything but an APPEND wakes the engine
-        self._engine.submit(engine_cmds, appends_only=not control)
+        # Anything but an APPEND wakes an engine waiting for its tick.
+        self._engine.submit(engine_cmds, appends_only=len(engine_cmds) == len(appends))
         if rejected:
             self._hub.send_updates(owner, rejected)
 
