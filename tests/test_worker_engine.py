@@ -22,7 +22,7 @@ from tests.worker_helpers import APPEND, COMMIT, FRAME, RESPOND, RunClient, erro
 from worker_service.cli import build_parser, config_from_args
 from worker_service.config import WorkerConfig
 from worker_service.engine import AbortOlder, Engine, Enqueue, OwnerStep, QueueCounter, Work
-from worker_service.model import RequestNews, StepBatch, StepModel, StepResult
+from worker_service.model import RequestNews, StepBatch, StepModel, StepResult, run_as_helper
 from worker_service.models.synthetic import SyntheticModel
 
 
@@ -490,3 +490,50 @@ def test_on_the_frame_clock_control_work_with_no_input_ahead_is_applied_as_it_co
         assert len(committed) == 2 and committed[1] >= events[1][0] - 0.01
     finally:
         engine.stop()
+
+
+def _burn(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _model_cpu(part: str) -> float:
+    return REGISTRY.get_sample_value("duplex_worker_model_cpu_seconds_total", {"part": part}) or 0.0
+
+
+class _BusyStep(_LongFrames):
+    """Each step spends 20 ms of CPU in the model's own code, and so does making a request's
+    state, which is not a step."""
+
+    def create_state(self, session_id: str) -> _St:
+        _burn(0.1)
+        return super().create_state(session_id)
+
+    def step(self, batch: StepBatch[_St]) -> StepResult:
+        _burn(0.02)
+        return super().step(batch)
+
+
+def test_the_model_step_cpu_counter_holds_the_steps_alone() -> None:
+    before = _model_cpu("step")
+    with _stepped_once(_BusyStep, step_interval_s=0.0) as (engine, steps):
+        engine.submit([_append(1), _append(2)])
+        steps.wait_for(2)
+        counted = _model_cpu("step") - before
+    # Two or three steps of 20 ms each; not the three states' 300 ms made around them.
+    assert 0.04 <= counted < 0.1
+
+
+def test_run_as_helper_counts_its_work_as_the_model_s_and_returns_its_result() -> None:
+    before = _model_cpu("helpers")
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(run_as_helper(lambda: (_burn(0.03), 7)[1])))
+    thread.start()
+    thread.join(10)
+    assert result == [7]
+    assert _model_cpu("helpers") - before >= 0.03
+    with pytest.raises(ZeroDivisionError):  # a failure is the caller's, its CPU still counted
+        run_as_helper(lambda: (_burn(0.01), 1 // 0)[1])
+    assert _model_cpu("helpers") - before >= 0.04

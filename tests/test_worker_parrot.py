@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from duplex.errors import BadEventError
 from tests.worker_helpers import FRAME, load_speech, pad_frames
@@ -235,3 +236,17 @@ def test_a_failed_reply_fails_its_request_only(model: ParrotModel, monkeypatch: 
     assert list(res.outputs.req_id) == ["good"]  # the other request's reply goes on
     model.release_state(good)
     model.release_state(bad)
+
+
+def test_a_reply_s_synthesis_counts_as_the_model_s_helper_cpu(model: ParrotModel) -> None:
+    before = REGISTRY.get_sample_value("duplex_worker_model_cpu_seconds_total", {"part": "helpers"}) or 0.0
+    st = model.create_state("helper")
+    model.set_options(st, model.parse_options({"auto_commit": False}))
+    _run(model, [st], [pad_frames(load_speech("speech_01.wav"))])
+    model.commit(st)
+    model.respond(st)
+    assert st.pending is not None
+    st.pending.result(timeout=10)
+    after = REGISTRY.get_sample_value("duplex_worker_model_cpu_seconds_total", {"part": "helpers"})
+    assert after is not None and after > before
+    model.release_state(st)

@@ -20,6 +20,7 @@ from tests.worker_helpers import worker_process
 METRIC_NAMES = (
     "duplex_worker_step_duration_seconds",
     "duplex_worker_batch_size",
+    "duplex_worker_model_cpu_seconds_total",
     "duplex_worker_active_requests",
     "duplex_worker_queue_depth",
     "duplex_worker_fenced_total",

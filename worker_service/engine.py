@@ -474,9 +474,11 @@ class Engine:
                 frames[i] = row
                 has_input[i] = True
         req_ids = [r.session_id for r in batch]
+        cpu0 = time.thread_time()
         result = model.step(
             StepBatch(req_ids=req_ids, states=[r.state for r in batch], frames=frames, has_input=has_input)
         )
+        metrics.MODEL_STEP_CPU.inc(time.thread_time() - cpu0)
         outputs = adapt_multimodal_outputs(
             result.outputs, output_type=result.output_type, batch_req_ids=req_ids, audio_format=self._fmt
         )

@@ -17,6 +17,15 @@ STEP_DURATION: Final = Histogram(
     "Wall time of one engine step (batch assembly, model step, output routing).",
     buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0),
 )
+MODEL_CPU: Final = Counter(
+    "duplex_worker_model_cpu_seconds",
+    "CPU time spent in the model's own code, by part: step (its batched steps, on the engine "
+    "thread), helpers (work the model runs on its own threads, e.g. the parrot's reply "
+    "synthesis). The worker's process CPU less these is what serving costs.",
+    ["part"],
+)
+MODEL_STEP_CPU: Final = MODEL_CPU.labels(part="step")
+MODEL_HELPER_CPU: Final = MODEL_CPU.labels(part="helpers")
 BATCH_SIZE: Final = Histogram(
     "duplex_worker_batch_size",
     "Requests stepped in one engine step.",

@@ -13,9 +13,10 @@ the device, so model code needs no locks. ``parse_options`` is pure and runs on 
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeVar
 
@@ -27,15 +28,29 @@ from google.protobuf import struct_pb2
 from duplex.audio import PcmFormat
 from duplex.errors import BadEventError, DuplexError, ErrorCode, WorkerErrorCode
 from duplex.v1 import worker_pb2
+from worker_service.metrics import MODEL_HELPER_CPU
 
 FloatArray = npt.NDArray[np.float32]
 S = TypeVar("S")
+T = TypeVar("T")
 
 #: Output types a step can declare.
 AUDIO: Final = worker_pb2.OUTPUT_TYPE_AUDIO
 TEXT: Final = worker_pb2.OUTPUT_TYPE_TEXT
 SPEECH_STARTED: Final = worker_pb2.VadEvent.KIND_SPEECH_STARTED
 SPEECH_STOPPED: Final = worker_pb2.VadEvent.KIND_SPEECH_STOPPED
+
+
+def run_as_helper(work: Callable[[], T]) -> T:
+    """Run ``work``, something a model computes on its own threads (off the engine thread), with
+    its CPU time counted as the model's (``duplex_worker_model_cpu_seconds_total{part="helpers"}``;
+    the engine counts the steps): what the worker spends beyond the model is then measurable in
+    place, where the model runs as it is served."""
+    start = time.thread_time()
+    try:
+        return work()
+    finally:
+        MODEL_HELPER_CPU.inc(time.thread_time() - start)
 
 
 def bad_submission(message: str) -> BadEventError:

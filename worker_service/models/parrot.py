@@ -33,6 +33,7 @@ from worker_service.model import (
     check_option_keys,
     float_option,
     no_committed_input,
+    run_as_helper,
 )
 
 logger = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ class ParrotModel(StepModel[ParrotState]):
         # the engine keeps stepping every other session meanwhile (numpy's FFTs release the GIL).
         committed, pitch = state.committed, state.options.pitch_semitones
         state.pending = self._replies.submit(
-            lambda: encode(parrot_reply(committed, pitch), self.audio_format)
+            run_as_helper, lambda: encode(parrot_reply(committed, pitch), self.audio_format)
         )
         state.reply = b""
         state.reply_pos = 0
