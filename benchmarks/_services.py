@@ -150,6 +150,16 @@ def scrape(metrics_address: str, timeout_s: float = 5.0) -> str:
     return text
 
 
+def sample_value(text: str, name: str, labels: str = "") -> float | None:
+    """One sample of Prometheus text format: ``NAME{LABELS} VALUE`` with ``labels`` as written
+    there (``part="step"``), or an unlabelled ``NAME VALUE``; None when it is not there."""
+    head = f"{name}{{{labels}}} " if labels else f"{name} "
+    for line in text.splitlines():
+        if line.startswith(head):
+            return float(line.split()[-1])
+    return None
+
+
 def histogram_sum_count(text: str, name: str) -> tuple[float, float]:
     """``NAME_sum`` and ``NAME_count`` of an unlabelled histogram in Prometheus text format."""
     total = count = 0.0

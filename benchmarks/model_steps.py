@@ -44,7 +44,11 @@ class ParrotLoop:
         self.reply = bytes(FRAME * 2 * REPLY_FRAMES)
         self.rng = np.random.default_rng(0)
 
-    def measure(self, batch: int, *, seconds: float, min_steps: int = 5) -> dict[str, float]:
+    def measure(
+        self, batch: int, *, seconds: float, min_steps: int = 5, pace_s: float = 0.0
+    ) -> dict[str, float]:
+        """Steps back to back, or with ``pace_s`` one step per ``pace_s`` as a frame clock steps
+        (idle between; the CPU is the steps' alone, the wall time per step is then the pace)."""
         model = self.model
         states = [model.create_state(f"s{i}") for i in range(batch)]
         try:
@@ -62,6 +66,8 @@ class ParrotLoop:
             steps = 0
             c0, t0 = time.process_time(), time.perf_counter()
             while True:
+                if pace_s:
+                    time.sleep(max(0.0, t0 + steps * pace_s - time.perf_counter()))
                 model.step(sb)
                 steps += 1
                 if states[0].reply_pos >= len(self.reply) - 4 * FRAME * 2:

@@ -303,6 +303,12 @@ def _overhead(row: Any) -> float | None:
     return w - m - r if w is not None and m is not None and r is not None else None
 
 
+def _in_place(row: Any) -> float | None:
+    """What the model spent in the worker per session-frame (steps and helper threads)."""
+    d = _get(row, "model_in_place_us_per_frame")
+    return None if d is None else float(d["step"] + d["helpers"])
+
+
 def _step_at(ramp: Any, n: int) -> dict[str, Any] | None:
     """A ramp's last attempt at ``n`` sessions."""
     rows = [s for s in _get(ramp, "steps") or [] if s.get("sessions") == n]
@@ -338,6 +344,13 @@ def _issue21(sections: dict[str, Any]) -> dict[str, Any]:
         "worker_threads_beyond_model_us_per_frame_lanes": _get(
             lanes, "worker_split_us_per_frame", "other_beyond_model"
         ),
+        # The model as served (its own CPU counter in the worker: steps and helper threads) and
+        # the worker's CPU beside it; the model's step once a frame period in a plain loop.
+        "model_in_place_us_per_frame_streams": _in_place(tiers),
+        "model_in_place_us_per_frame_lanes": _in_place(lanes),
+        "model_paced_us_per_frame": _get(tiers, "model_paced_at_mean_batch", "cpu_us_per_frame"),
+        "worker_serving_us_per_frame_streams": _get(tiers, "worker_serving_us_per_frame"),
+        "worker_serving_us_per_frame_lanes": _get(lanes, "worker_serving_us_per_frame"),
         "lanes_mean_batch": _get(lanes, "mean_batch"),
         "worker_ceiling_sessions": _get(null, "ceiling_sessions"),
         "worker_ceiling_first_behind": _get(null, "first_behind_sessions"),
@@ -940,6 +953,22 @@ def _mode_row(tiers: dict[str, Any], mode: str) -> dict[str, Any]:
     return tiers if mode == "streams" else tiers.get("lanes_compared") or {}
 
 
+def _in_place_note(row: dict[str, Any], paced: float | None) -> str:
+    """The overhead's two parts: the model costing more as served than in its plain loop, and
+    the worker's own serving beside it."""
+    d, serving = _get(row, "model_in_place_us_per_frame"), _get(row, "worker_serving_us_per_frame")
+    if d is None or serving is None:
+        return ""
+    plain = _get(row, "model_at_mean_batch", "cpu_us_per_frame")
+    reply = _get(row, "model_reply_us_per_frame")
+    return (
+        f"; the model as served (its own CPU counter) spent {d['step']:.0f} µs in its steps and "
+        f"{d['helpers']:.0f} in its helper threads against {f(plain, '.0f')} and {f(reply, '.0f')} in its "
+        f"plain loop (its step once a frame period in a plain loop: {f(paced, '.0f')}: idle between "
+        f"steps, the caches go cold), and serving beside it cost the worker {serving:.0f} µs"
+    )
+
+
 def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
     """For each missed target of the frame clock's issue, what this run's data shows bounds it
     (nothing is said where the data does not show it)."""
@@ -993,6 +1022,7 @@ def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
                 if split
                 else ""
             )
+            + _in_place_note(row, latest.get("model_paced_us_per_frame"))
             + "; the worker ceiling's null model (no session service, commands replayed) costs "
             f"{f(latest.get('worker_ceiling_us_per_frame_64'), '.1f')} µs per session-frame at 64 sessions."
         )

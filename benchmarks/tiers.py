@@ -45,7 +45,7 @@ import torch
 
 from benchmarks import grpc_echo
 from benchmarks._load import Criteria, LoadResult, LoadSpec, judge, run_load, step_row
-from benchmarks._services import histogram_sum_count, scrape, stack
+from benchmarks._services import histogram_sum_count, sample_value, scrape, stack
 from benchmarks._sys import FRAME_MS, NoMeasurement, fail, fmt, write_result
 from benchmarks.model_steps import ParrotLoop
 from worker_service.server import resolve_device
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             session_args=args.session_args.split(),
             worker_args=args.worker_args.split(),
         ) as st:
-            r, batches = load_window(st, spec)
+            r, scraped = load_window(st, spec)
             # The same load from clients that take an input_ack event per append: what reading
             # acks on the output saves (same processes, a window of its own).
             compared = None
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             raise NoMeasurement("no input frame was acknowledged in the window")
         if m["reply_frames"] <= 0:
             raise NoMeasurement("no reply frame came back in the window")
-        mean_batch, steps = _mean_batch(batches)
+        mean_batch, steps = _mean_batch(scraped)
         us = _per_frame(r.cpu_s, frames)
         detail = per_frame_detail(r.cpu_detail, frames)
         row = step_row(r, why)
@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             loop = ParrotLoop(resolve_device(args.device))
             model_at_mean = loop.measure(b, seconds=1.0)
             model_at_n = loop.measure(args.sessions, seconds=1.0)
+            # The same step once a frame period, as the frame clock runs it: idle between steps,
+            # the model's caches go cold, and each step costs more than back to back.
+            model_paced = loop.measure(b, seconds=1.5, pace_s=FRAME_MS / 1000)
             # The model's other share: each reply computed once per turn on its helper threads
             # (the load commits every `cycle` frames, so that is the utterance replied to).
             synthesis = loop.reply_synthesis(spec.cycle, seconds=0.5)
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_pct": r.cpu_pct,
         "model_at_mean_batch": model_at_mean,
         "model_at_n": model_at_n,
+        "model_paced_at_mean_batch": model_paced,
         "reply_synthesis": synthesis,
         "model_reply_us_per_frame": synthesis["cpu_us_per_reply_frame"] * m["reply_frames"] / frames,
         "mean_batch_fraction": mean_batch / args.sessions,
@@ -217,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     reply_us = result["model_reply_us_per_frame"]
     result["model_whole_us_per_frame"] = model_us + reply_us
     result["worker_overhead_us_per_frame"] = overhead(us["worker"], model_us + reply_us)
+    in_place = result["model_in_place_us_per_frame"] = model_in_place(scraped, frames)
+    result["worker_serving_us_per_frame"] = serving(us["worker"], in_place)
     print(
         f"  {frames:,.0f} session-frames in {m['window_s']:g} s ({frames / m['window_s']:,.0f}/s), "
         f"{result['reply_per_input']:.2f} reply frames per input frame, mean batch {mean_batch:.1f} "
@@ -258,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
             f"  worker by thread: its event loop {split['event_loop']:.0f} µs per session-frame (serving "
             f"alone: the model never runs there); its other threads (engine, the model's helpers, gRPC's) "
             f"{split['other_threads']:.0f} µs against the model's whole share of {model_us + reply_us:.0f}"
+        )
+    if in_place is not None:
+        print(
+            f"  the model in place (its own CPU counter): steps {in_place['step']:.0f}, helper threads "
+            f"{in_place['helpers']:.0f} µs per session-frame, against {model_us:.0f} and {reply_us:.0f} "
+            f"in its plain loop (its step once a frame period there: "
+            f"{model_paced['cpu_us_per_frame']:.0f}); what serving cost the worker beside the model: "
+            f"{fmt(result['worker_serving_us_per_frame'], '.0f')} µs per session-frame"
         )
     if us["session"] is not None and us["worker"] is not None:
         print(
@@ -306,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "(from each append's deadline); the model's whole share at its batch "
             f"{lanes['model_whole_us_per_frame']:.0f} µs, worker overhead "
             f"{fmt(lanes['worker_overhead_us_per_frame'], '.0f')} µs per session-frame"
+            + _serving_note(lanes)
             + _split_note(lanes["worker_split_us_per_frame"])
             + (
                 ""
@@ -343,24 +358,24 @@ def load_spec(
     )
 
 
-def load_window(st: Any, spec: LoadSpec) -> tuple[LoadResult, dict[str, tuple[float, float]]]:
-    """Run ``spec`` against the stack ``st``; also the worker's batch-size histogram (sum,
-    count) at the window's start (``a``) and end (``b``)."""
+def load_window(st: Any, spec: LoadSpec) -> tuple[LoadResult, dict[str, str]]:
+    """Run ``spec`` against the stack ``st``; also the worker's /metrics at the window's start
+    (``a``) and end (``b``): its batch sizes and the CPU its model spent in place."""
     assert st.session is not None
     worker = st.worker_children[0]
     pids = {"session": st.session.pid, "worker": worker.pid}
-    batches: dict[str, tuple[float, float]] = {}
+    scraped: dict[str, str] = {}
 
     def during(a: float, b: float) -> None:
-        batches["a"] = histogram_sum_count(scrape(worker.metrics), "duplex_worker_batch_size")
+        scraped["a"] = scrape(worker.metrics)
 
         def at_b() -> None:
             time.sleep(max(0.0, b - time.monotonic()))
-            batches["b"] = histogram_sum_count(scrape(worker.metrics), "duplex_worker_batch_size")
+            scraped["b"] = scrape(worker.metrics)
 
         threading.Thread(target=at_b, daemon=True).start()
 
-    return run_load(st.target, spec, pids, during_window=during), batches
+    return run_load(st.target, spec, pids, during_window=during), scraped
 
 
 def _per_frame(cpu_s: dict[str, float | None], frames: float) -> dict[str, float | None]:
@@ -372,19 +387,33 @@ def _per_frame(cpu_s: dict[str, float | None], frames: float) -> dict[str, float
     }
 
 
-def _mean_batch(batches: dict[str, tuple[float, float]]) -> tuple[float, float]:
+def _mean_batch(scraped: dict[str, str]) -> tuple[float, float]:
     """The mean batch over the window, and the steps in it."""
-    if "b" not in batches:
-        raise NoMeasurement("the worker's batch-size histogram could not be read at the window's end")
-    (s0, c0), (s1, c1) = batches["a"], batches["b"]
+    if "b" not in scraped:
+        raise NoMeasurement("the worker's metrics could not be read at the window's end")
+    s0, c0 = histogram_sum_count(scraped["a"], "duplex_worker_batch_size")
+    s1, c1 = histogram_sum_count(scraped["b"], "duplex_worker_batch_size")
     if c1 <= c0:
         raise NoMeasurement("the worker made no step in the window")
     return (s1 - s0) / (c1 - c0), c1 - c0
 
 
-def compared_row(
-    name: str, r: LoadResult, batches: dict[str, tuple[float, float]], spec: LoadSpec
-) -> dict[str, Any]:
+def model_in_place(scraped: dict[str, str], frames: float) -> dict[str, float] | None:
+    """The CPU the model spent in the worker over the window, per session-frame, from its own
+    counter (``duplex_worker_model_cpu_seconds_total``): ``step`` (its steps on the engine
+    thread) and ``helpers`` (its own threads); None from a worker without the counter."""
+    out: dict[str, float] = {}
+    for part in ("step", "helpers"):
+        label = f'part="{part}"'
+        a = sample_value(scraped.get("a", ""), "duplex_worker_model_cpu_seconds_total", label)
+        b = sample_value(scraped.get("b", ""), "duplex_worker_model_cpu_seconds_total", label)
+        if a is None or b is None or frames <= 0:
+            return None
+        out[part] = 1e6 * (b - a) / frames
+    return out
+
+
+def compared_row(name: str, r: LoadResult, scraped: dict[str, str], spec: LoadSpec) -> dict[str, Any]:
     """A compared window's figures: CPU per session-frame, mean batch, ack p99."""
     frames = sum(s["acked"] for s in r.merged["per_session"]) * spec.append_ms / FRAME_MS
     if frames <= 0:
@@ -393,8 +422,9 @@ def compared_row(
     return {
         "frames": frames,
         "reply_per_input": r.merged["reply_frames"] / frames,
-        "mean_batch": _mean_batch(batches)[0],
+        "mean_batch": _mean_batch(scraped)[0],
         "cpu_us_per_frame": _per_frame(r.cpu_s, frames),
+        "model_in_place_us_per_frame": model_in_place(scraped, frames),
         "worker_detail_per_frame": per_frame_detail(r.cpu_detail, frames).get("worker"),
         "ack_p99_ms": step_row(r, why)["ack_ms"]["p99"],
         "held_real_time": not why,
@@ -408,6 +438,16 @@ def overhead(worker_us: float | None, model_whole_us: float) -> float | None:
     return None if worker_us is None else worker_us - model_whole_us
 
 
+def serving(worker_us: float | None, in_place: dict[str, float] | None) -> float | None:
+    """What serving cost the worker per session-frame: its CPU minus what its model spent in
+    place (steps and helper threads, the model's own counter), where both ran as served: once
+    a frame period, beside everything else. The overhead against the plain loop counts, besides
+    this, the model running slower there than back to back."""
+    if worker_us is None or in_place is None:
+        return None
+    return worker_us - in_place["step"] - in_place["helpers"]
+
+
 def add_model_share(
     row: dict[str, Any], model: dict[str, Any], synthesis: dict[str, Any], sessions: int
 ) -> None:
@@ -415,15 +455,25 @@ def add_model_share(
     batch over the sessions with input (every session of the load streams continuously)."""
     reply = synthesis["cpu_us_per_reply_frame"] * row["reply_per_input"]
     whole = model["cpu_us_per_frame"] + reply
+    worker = row["cpu_us_per_frame"].get("worker")
     row.update(
         model_at_mean_batch=model,
         model_reply_us_per_frame=reply,
         model_whole_us_per_frame=whole,
-        worker_overhead_us_per_frame=overhead(row["cpu_us_per_frame"].get("worker"), whole),
-        worker_split_us_per_frame=worker_split(
-            row.get("worker_detail_per_frame"), row["cpu_us_per_frame"].get("worker"), whole
-        ),
+        worker_overhead_us_per_frame=overhead(worker, whole),
+        worker_serving_us_per_frame=serving(worker, row.get("model_in_place_us_per_frame")),
+        worker_split_us_per_frame=worker_split(row.get("worker_detail_per_frame"), worker, whole),
         mean_batch_fraction=row["mean_batch"] / sessions,
+    )
+
+
+def _serving_note(row: dict[str, Any]) -> str:
+    in_place, cost = row.get("model_in_place_us_per_frame"), row.get("worker_serving_us_per_frame")
+    if in_place is None or cost is None:
+        return ""
+    return (
+        f"; the model in place {in_place['step']:.0f} (steps) + {in_place['helpers']:.0f} (helpers), "
+        f"serving beside it {cost:.0f}"
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _load, _profile, _sys, capacity, grpc_echo, loadgen, report, run, tiers
+from benchmarks import _load, _profile, _services, _sys, capacity, grpc_echo, loadgen, report, run, tiers
 
 
 def test_proc_stat_cpu_counts_fields_after_the_command_name():
@@ -50,14 +50,54 @@ def test_the_worker_is_split_into_its_event_loop_and_its_other_threads():
     assert tiers.worker_split(per, None, 70.0) is None
 
 
+def _worker_metrics(batch_sum: float, batches: float, step_s: float | None, helpers_s: float) -> str:
+    """A worker's /metrics text with what the tiers read of it."""
+    text = f"duplex_worker_batch_size_sum {batch_sum}\nduplex_worker_batch_size_count {batches}\n"
+    if step_s is not None:
+        text += (
+            f'duplex_worker_model_cpu_seconds_total{{part="step"}} {step_s}\n'
+            f'duplex_worker_model_cpu_seconds_total{{part="helpers"}} {helpers_s}\n'
+        )
+    return text
+
+
 def test_tiers_mean_batch_and_cpu_per_frame_refuse_an_empty_window():
-    assert tiers._mean_batch({"a": (10.0, 5.0), "b": (90.0, 15.0)}) == (8.0, 10.0)
+    a, b = _worker_metrics(10.0, 5.0, 1.0, 0.5), _worker_metrics(90.0, 15.0, 1.2, 0.6)
+    assert tiers._mean_batch({"a": a, "b": b}) == (8.0, 10.0)
     with pytest.raises(_sys.NoMeasurement, match="no step"):
-        tiers._mean_batch({"a": (10.0, 5.0), "b": (10.0, 5.0)})
+        tiers._mean_batch({"a": a, "b": a})
     with pytest.raises(_sys.NoMeasurement, match="could not be read"):
-        tiers._mean_batch({"a": (10.0, 5.0)})
+        tiers._mean_batch({"a": a})
     per = tiers._per_frame({"session": 0.4, "worker": None, "generator": 0.2, "other": 9.0}, 1000.0)
     assert per == pytest.approx({"session": 400.0, "worker": None, "generator": 200.0})
+
+
+def test_the_model_in_place_and_the_worker_s_serving_beside_it():
+    a, b = _worker_metrics(10.0, 5.0, 1.0, 0.5), _worker_metrics(90.0, 15.0, 1.2, 0.6)
+    # 0.2 s of steps and 0.1 s of helper threads over 1,000 session-frames.
+    in_place = tiers.model_in_place({"a": a, "b": b}, 1000.0)
+    assert in_place == pytest.approx({"step": 200.0, "helpers": 100.0})
+    assert tiers.serving(450.0, in_place) == pytest.approx(150.0)
+    assert tiers.serving(None, in_place) is None and tiers.serving(450.0, None) is None
+    # A worker without the counter (an older build) or a window not read: no figure, never zero.
+    old = _worker_metrics(10.0, 5.0, None, 0.0)
+    assert tiers.model_in_place({"a": old, "b": old}, 1000.0) is None
+    assert tiers.model_in_place({"a": a}, 1000.0) is None
+    assert _services.sample_value(a, "duplex_worker_batch_size_count") == 5.0
+    assert _services.sample_value(a, "duplex_worker_model_cpu_seconds_total", 'part="helpers"') == 0.5
+    assert _services.sample_value(a, "duplex_worker_model_cpu_seconds_total", 'part="other"') is None
+
+
+def test_the_model_paced_at_a_frame_period_steps_once_per_period():
+    import torch
+
+    from benchmarks.model_steps import ParrotLoop
+
+    loop = ParrotLoop(torch.device("cpu"))
+    with torch.inference_mode():
+        paced = loop.measure(2, seconds=0.0, min_steps=5, pace_s=0.05)
+    assert paced["steps"] == 5 and paced["ms_per_step"] >= 40.0  # four waits of 50 ms over five steps
+    assert paced["cpu_us_per_frame"] > 0
 
 
 def test_grpc_echo_floor_is_per_message_pair_and_refuses_an_empty_window():
@@ -443,6 +483,7 @@ def _sections():
             },
             "model_at_mean_batch": {"batch": 1, "cpu_us_per_frame": 400.0},
             "model_at_n": {"batch": 32, "cpu_us_per_frame": 60.0},
+            "model_paced_at_mean_batch": {"batch": 1, "cpu_us_per_frame": 700.0},
             "reply_synthesis": {
                 "utterance_frames": 32,
                 "replies": 9,
@@ -478,6 +519,8 @@ def _sections():
                 "model_reply_us_per_frame": 25.0,
                 "model_whole_us_per_frame": 75.0,
                 "worker_overhead_us_per_frame": 625.0,
+                "model_in_place_us_per_frame": {"step": 95.0, "helpers": 40.0},
+                "worker_serving_us_per_frame": 565.0,
                 "cpu_us_per_frame": {"session": 280.0, "worker": 700.0, "generator": 90.0},
                 "ack_p99_ms": 15.5,
                 "held_real_time": True,
@@ -657,11 +700,17 @@ def test_floor_sessions_are_one_core_over_the_echo_per_append():
 
 
 def test_tiers_model_share_and_overhead_of_a_compared_window():
-    row = {"mean_batch": 48.0, "reply_per_input": 0.5, "cpu_us_per_frame": {"worker": 300.0}}
+    row = {
+        "mean_batch": 48.0,
+        "reply_per_input": 0.5,
+        "cpu_us_per_frame": {"worker": 300.0},
+        "model_in_place_us_per_frame": {"step": 90.0, "helpers": 50.0},
+    }
     tiers.add_model_share(row, {"batch": 48, "cpu_us_per_frame": 40.0}, {"cpu_us_per_reply_frame": 60.0}, 64)
     assert row["model_reply_us_per_frame"] == pytest.approx(30.0)
     assert row["model_whole_us_per_frame"] == pytest.approx(70.0)
     assert row["worker_overhead_us_per_frame"] == pytest.approx(230.0)
+    assert row["worker_serving_us_per_frame"] == pytest.approx(160.0)  # beside the model in place
     assert row["mean_batch_fraction"] == pytest.approx(0.75)
     assert tiers.overhead(None, 70.0) is None  # no worker CPU, no figure
 
@@ -761,6 +810,16 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
     # The frame clock's figures: overhead rows, the worker's ceiling, the lanes' capacity, the floor.
     assert "| worker overhead: the worker minus the model's whole share | 500 | 1.0x |" in md
     assert "| worker overhead µs per session-frame | 500 | 625 |" in md
+    # The overhead's parts: the model as served against its plain loop, and serving beside it.
+    assert latest["model_in_place_us_per_frame_lanes"] == 135.0
+    assert latest["model_paced_us_per_frame"] == 700.0
+    assert latest["worker_serving_us_per_frame_lanes"] == 565.0
+    assert latest["worker_serving_us_per_frame_streams"] is None  # the streams window had no counter
+    assert (
+        "the model as served (its own CPU counter) spent 95 µs in its steps and 40 in its helper threads "
+        "against 50 and 25 in its plain loop (its step once a frame period in a plain loop: 700" in md
+    )
+    assert "serving beside it cost the worker 565 µs" in md
     assert "| worker's mean batch / sessions with input | 0.02 | 0.95 |" in md
     assert "| near-zero (`null`) | **256** | 320 | 28.5 | 18.0 | 22.8 |" in md
     assert "| parrot | ≥ **512** | none | 82.0 | 47.0 | — |" in md
