@@ -12,8 +12,10 @@ and every frame period (32 ms) writes ONE ``WorkerCommand`` carrying one APPEND 
 frame for every session. The command's bytes are built once per N (each session's ``Submission``
 serialized without its seq) and, per tick, joined with the tick's seq field: protobuf takes fields
 in any order, so the seq goes last and every session's submission has the same length (one
-length prefix for all). The driver asks for steps in columns, as the session service does, and
-counts the input acks (``StepColumns.input_seq``).
+length prefix for all). By default the APPENDs travel in columns (``AppendColumns``: every column
+but ``seq`` serialized once, the tick's packed ``seq`` column added), as the session service's link
+sends them; ``--rows`` sends ``Submission`` rows instead. The driver asks for steps in columns, as
+the session service does, and counts the input acks (``StepColumns.input_seq``).
 
 Per step, over the window after the warm-up:
 
@@ -128,6 +130,35 @@ class AppendCommands:
         return head + (tail + head).join(self._bodies) + tail
 
 
+_APPENDS_TAG = b"\x32"  # WorkerCommand.appends: field 6, length-delimited
+_SEQ_COLUMN_TAG = b"\x2a"  # AppendColumns.seq: field 5, packed varints
+
+
+class AppendColumnCommands:
+    """The same command with its APPENDs in columns (``AppendColumns``), as the session
+    service's link sends them to a worker that reads them: every column but ``seq`` serialized
+    once; per tick, the packed ``seq`` column (one varint per session) is appended and the
+    submessage's length prefix put in front."""
+
+    def __init__(self, session_ids: Sequence[str], pcm: bytes, epoch: int = 1) -> None:
+        n = len(session_ids)
+        self._n = n
+        self._body = worker_pb2.AppendColumns(
+            request_id=session_ids,
+            session_id=session_ids,
+            epoch=[epoch] * n,
+            turn_id=[0] * n,
+            frames=[len(pcm) // (2 * FRAME)] * n,
+            pcm=pcm * n,
+        ).SerializeToString()
+
+    def build(self, seq: int) -> bytes:
+        """The command's bytes with ``seq`` on every APPEND."""
+        column = varint(seq) * self._n
+        seqs = _SEQ_COLUMN_TAG + varint(len(column)) + column
+        return _APPENDS_TAG + varint(len(self._body) + len(seqs)) + self._body + seqs
+
+
 @dataclass
 class _Counts:
     """What the driver's reader saw on one Run stream."""
@@ -192,15 +223,18 @@ async def measure(
     run_id: int,
     max_lag: float,
     per_command: int = 0,
+    rows: bool = False,
 ) -> dict[str, Any]:
-    """N sessions at real-time pace on one Run stream for ``warmup + seconds``; one ramp row."""
+    """N sessions at real-time pace on one Run stream for ``warmup + seconds``; one ramp row.
+    ``rows``: the APPENDs as ``Submission`` rows, not in columns."""
     await _wait_idle(metrics)
     owner = f"ceiling-{run_id}"
     ids = [f"c{run_id:03d}-{i:06d}" for i in range(sessions)]
     t_build = time.perf_counter()
     pcm = _silence_ish(run_id)
     size = per_command or sessions
-    commands = [AppendCommands(ids[i : i + size], pcm) for i in range(0, sessions, size)]
+    form = AppendCommands if rows else AppendColumnCommands
+    commands = [form(ids[i : i + size], pcm) for i in range(0, sessions, size)]
     build_once_s = time.perf_counter() - t_build
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = worker_pb2_grpc.DuplexWorkerStub(channel)
@@ -388,6 +422,7 @@ def ramp(
     max_lag: float,
     worker_args: list[str],
     per_command: int = 0,
+    rows_form: bool = False,
 ) -> dict[str, Any]:
     """Start one worker of ``model`` and run the ramp on it; the result for one model."""
     most = max(steps)
@@ -415,6 +450,7 @@ def ramp(
                 run_id=run_id,
                 max_lag=max_lag,
                 per_command=per_command,
+                rows=rows_form,
             )
             row = run_service(coro)
             rows.append(row)
@@ -450,6 +486,7 @@ def ramp(
         "min_consumed_fraction": MIN_CONSUMED,
         "worker_args": worker_args,
         "sessions_per_command": per_command or None,
+        "appends_in": "rows" if rows_form else "columns",
         "ceiling_sessions": ceiling,
         "first_behind_sessions": first_miss,
         "largest_real_time_sessions": max((r["sessions"] for r in ordered if r["real_time"]), default=0),
@@ -505,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="most sessions per WorkerCommand (0 = all of them in one command per tick)",
     )
+    p.add_argument("--rows", action="store_true", help="APPENDs as Submission rows (default: columns)")
     p.add_argument("--max-lag", type=float, default=3.0, help="frame periods a real-time step may lag")
     p.add_argument("--device", default="cpu")
     p.add_argument("--torch-threads", type=int, default=1)
@@ -535,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=args.warmup,
                 refine=args.refine,
                 per_command=args.per_command,
+                rows_form=args.rows,
                 max_lag=args.max_lag,
                 worker_args=shlex.split(args.worker_args),
             )

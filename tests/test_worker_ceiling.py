@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.worker_ceiling import AppendCommands, _bracket, main, varint
+from benchmarks.worker_ceiling import AppendColumnCommands, AppendCommands, _bracket, main, varint
 from duplex.v1 import worker_pb2
 
 
@@ -30,6 +30,17 @@ def test_replayed_commands_parse_with_each_ticks_seq() -> None:
             assert (s.fence.session_id, s.fence.epoch, s.fence.turn_id) == (s.request_id, 1, 0)
     with pytest.raises(ValueError):
         AppendCommands(["a", "bb"], pcm)
+
+
+def test_replayed_column_commands_parse_with_each_ticks_seq() -> None:
+    ids = [f"c001-{i:06d}" for i in range(5)]
+    pcm = bytes(range(256)) * 4
+    commands = AppendColumnCommands(ids, pcm)
+    for seq in (1, 127, 128, 16_384, 10**9):
+        cols = worker_pb2.WorkerCommand.FromString(commands.build(seq)).appends
+        assert list(cols.request_id) == ids and list(cols.session_id) == ids
+        assert list(cols.seq) == [seq] * 5 and list(cols.frames) == [1] * 5 and cols.pcm == pcm * 5
+        assert list(cols.epoch) == [1] * 5 and list(cols.turn_id) == [0] * 5
 
 
 def test_ceiling_is_the_last_real_time_step_before_the_first_miss() -> None:

@@ -18,6 +18,7 @@ from google.protobuf import struct_pb2
 
 from duplex.audio import PCM16K_MONO, encode, read_wav
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from session_service.workers.command_form import build_command
 from tests.procs import spawn
 from worker_service.config import WorkerConfig
 from worker_service.server import WorkerServer
@@ -113,8 +114,10 @@ class RunClient:
         columns: bool = False,
     ) -> None:
         """``releases``: carried by the stream's first command (with the owner); ``columns``:
-        the stream asks for steps in columns (``WorkerCommand.step_columns``)."""
+        the stream asks for steps in columns (``WorkerCommand.step_columns``) and sends its
+        APPENDs in columns (``AppendColumns``) as the session service does."""
         self.owner = owner
+        self._frame_bytes = FRAME * 2 if columns else 0
         self._out: asyncio.Queue[worker_pb2.WorkerCommand | None] = asyncio.Queue()
         self._out.put_nowait(worker_pb2.WorkerCommand(owner=owner, release=releases, step_columns=columns))
         self.call = stub.Run(self._commands())
@@ -135,7 +138,7 @@ class RunClient:
         aborts: tuple[worker_pb2.Abort, ...] = (),
         releases: tuple[worker_pb2.Release, ...] = (),
     ) -> None:
-        self._out.put_nowait(worker_pb2.WorkerCommand(submit=submissions, abort=aborts, release=releases))
+        self._out.put_nowait(build_command(submissions, aborts, releases, frame_bytes=self._frame_bytes))
 
     async def recv(self, wait_s: float = 5.0) -> worker_pb2.StepOutput:
         """The next StepOutput; reconciliation lists (a new stream's ``held_sessions``) go to

@@ -38,7 +38,7 @@ from worker_service.engine_types import (
 from worker_service.fencing import MAX_ID_LENGTH, Admission
 from worker_service.identity import IdentityPolicy
 from worker_service.metrics import SUBMISSIONS
-from worker_service.model import StepModel, bad_submission, options_from_struct
+from worker_service.model import FloatArray, StepModel, bad_submission, options_from_struct
 from worker_service.serving_state import ServingState
 from worker_service.sessions import SessionTable
 
@@ -158,36 +158,29 @@ class CommandHandler:
             sessions.claim(ab.fence.session_id)
         # Columnar where it counts: the PCM of every accepted APPEND is decoded in ONE numpy
         # pass after the loop (each work gets its rows as a view), and submissions are counted
-        # per kind once per command.
+        # per kind once per command. APPENDs in columns come first (``AppendColumns``): the
+        # owner puts there only a session's appends that no submission of it precedes.
         appends: list[tuple[Work, bytes]] = []
         kinds: Counter[int] = Counter()
-        max_queued = self._config.max_queued_frames
         frame_bytes = _frame_bytes(model)
+        enqueued = 0
+        if cmd.HasField("appends"):
+            enqueued = self._append_columns(model, owner, cmd.appends, engine_cmds, rejected)
+            kinds[APPEND] += len(cmd.appends.request_id)
         for sub in cmd.submit:
             kinds[sub.kind] += 1
             try:
                 work, pcm = parse_submission(model, owner, sub, frame_bytes)
-                fence = work.fence
-                admission = fences.check(fence.session_id, fence.epoch, owner)
-                counter = sessions.counter(fence.session_id)
-                units = work.units if pcm is None else len(pcm) // frame_bytes
-                if counter.depth + units > max_queued:
-                    raise CapacityError(
-                        WorkerErrorCode.CAPACITY, f"the request's input queue is full ({max_queued} frames)"
-                    )
+                self._admit(owner, work, work.units if pcm is None else len(pcm) // frame_bytes, engine_cmds)
             except DuplexError as err:
                 rejected.append(
                     Update(_clip(sub.request_id), _clip_fence(sub.fence), error=(err.code, err.message))
                 )
                 continue
-            if admission.bumped:
-                engine_cmds.append(AbortOlder(fence.session_id, admission.epoch))
-            counter.submitted += units
-            sessions.submitted(fence.session_id, work.request_id)
-            engine_cmds.append(Enqueue(work, counter))
             if pcm is not None:
                 appends.append((work, pcm))
         decode_appends(model, appends)
+        enqueued += len(appends)
         for kind, n in kinds.items():
             _SUBMITTED.get(kind, _SUBMITTED_UNKNOWN).inc(n)
         for rel in cmd.release:
@@ -207,13 +200,92 @@ class CommandHandler:
                 engine_cmds.append(ReleaseSession(sid))
             sessions.forget(sid)
         # Anything but an APPEND wakes an engine waiting for its tick.
-        self._engine.submit(engine_cmds, appends_only=len(engine_cmds) == len(appends))
+        self._engine.submit(engine_cmds, appends_only=len(engine_cmds) == enqueued)
         if rejected:
             self._hub.send_updates(owner, rejected)
+
+    def _admit(self, owner: str, work: Work, units: int, engine_cmds: list[EngineCommand]) -> None:
+        """Fence one submission's work and queue it (its request's input queue holds ``units``
+        more) or raise what refuses it."""
+        fence = work.fence
+        sid = fence.session_id
+        sessions = self._sessions
+        admission = sessions.fences.check(sid, fence.epoch, owner)
+        counter = sessions.counter(sid)
+        max_queued = self._config.max_queued_frames
+        if counter.depth + units > max_queued:
+            raise CapacityError(
+                WorkerErrorCode.CAPACITY, f"the request's input queue is full ({max_queued} frames)"
+            )
+        if admission.bumped:
+            engine_cmds.append(AbortOlder(sid, admission.epoch))
+        counter.submitted += units
+        sessions.submitted(sid, work.request_id)
+        engine_cmds.append(Enqueue(work, counter))
+
+    def _append_columns(
+        self,
+        model: StepModel[Any],
+        owner: str,
+        cols: worker_pb2.AppendColumns,
+        engine_cmds: list[EngineCommand],
+        rejected: list[Update],
+    ) -> int:
+        """Queue the APPENDs of ``cols``: each column read once, all their PCM decoded in one
+        pass; an entry refused is answered like a refused submission. Returns how many were
+        queued. Columns that do not line up refuse the command (the Run stream ends)."""
+        rids, sids, epochs, turns = (
+            list(cols.request_id),
+            list(cols.session_id),
+            list(cols.epoch),
+            list(cols.turn_id),
+        )
+        seqs, counts, replays = list(cols.seq), list(cols.frames), list(cols.replay)
+        n = len(rids)
+        if not (len(sids) == len(epochs) == len(turns) == len(seqs) == len(counts) == n) or (
+            replays and len(replays) != n
+        ):
+            raise BadRequestError(ErrorCode.INVALID_EVENT, "AppendColumns: columns of unequal lengths")
+        frames = decode_frames(model, cols.pcm, sum(counts))
+        queued = pos = 0
+        for i, rid in enumerate(rids):
+            sid, units = sids[i], counts[i]
+            start, pos = pos, pos + units
+            try:
+                if not rid or not sid:
+                    raise bad_submission("an APPEND needs request_id and fence.session_id")
+                if len(rid) > MAX_ID_LENGTH or len(sid) > MAX_ID_LENGTH:
+                    raise bad_submission(f"ids are at most {MAX_ID_LENGTH} characters")
+                if not units:
+                    raise bad_submission("an APPEND carries at least one frame")
+                work = Work(APPEND, Fence(sid, epochs[i], turns[i]), owner, rid, seq=seqs[i])
+                work.frames = frames[start:pos]
+                work.replay = bool(replays) and replays[i]
+                self._admit(owner, work, units, engine_cmds)
+            except DuplexError as err:
+                fence = Fence(_clip(sid), epochs[i], turns[i])
+                rejected.append(Update(_clip(rid), fence, error=(err.code, err.message)))
+                continue
+            queued += 1
+        return queued
 
 
 def _frame_bytes(model: StepModel[Any]) -> int:
     return model.frame_samples * model.audio_format.frame_bytes
+
+
+def decode_frames(model: StepModel[Any], pcm: bytes, frames: int) -> FloatArray:
+    """``frames`` whole frames of s16 PCM as ``(frames, frame_samples)`` float32 rows, in one
+    pass; PCM of another length refuses the command (INVALID_ARGUMENT)."""
+    if len(pcm) != frames * _frame_bytes(model):
+        raise BadRequestError(
+            ErrorCode.INVALID_EVENT,
+            f"AppendColumns: {len(pcm)} bytes of pcm for {frames} frames of {_frame_bytes(model)} bytes",
+        )
+    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32)
+    samples *= np.float32(1.0 / 32768.0)
+    rows: FloatArray = samples.reshape(-1, model.frame_samples)
+    return rows
 
 
 def decode_appends(model: StepModel[Any], appends: list[tuple[Work, bytes]]) -> None:
@@ -222,10 +294,8 @@ def decode_appends(model: StepModel[Any], appends: list[tuple[Work, bytes]]) -> 
     if not appends:
         return
     pcm = appends[0][1] if len(appends) == 1 else b"".join(p for _, p in appends)
-    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32)
-    samples *= np.float32(1.0 / 32768.0)
-    frames = samples.reshape(-1, model.frame_samples)
     frame_bytes = _frame_bytes(model)
+    frames = decode_frames(model, pcm, len(pcm) // frame_bytes)
     pos = 0
     for work, data in appends:
         n = len(data) // frame_bytes

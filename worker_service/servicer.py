@@ -89,6 +89,7 @@ class DuplexWorkerServicer(worker_pb2_grpc.DuplexWorkerServicer):
             frame_samples=model.frame_samples,
             worker_id=self._config.worker_id,
             max_sessions=self._config.max_sessions,
+            append_columns=True,
         )
 
     async def Attach(

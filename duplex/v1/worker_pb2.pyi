@@ -111,6 +111,7 @@ class WorkerDescription(_message.Message):
     FRAME_SAMPLES_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     MAX_SESSIONS_FIELD_NUMBER: _builtins.int
+    APPEND_COLUMNS_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """The model id, e.g. "parrot". A session-service plugin refuses a worker
     whose model id differs from its own.
@@ -125,6 +126,10 @@ class WorkerDescription(_message.Message):
     """This worker's id (unique per process), for logs and metrics."""
     max_sessions: _builtins.int
     """Most sessions this worker holds at once (0 = unbounded)."""
+    append_columns: _builtins.bool
+    """The worker reads `WorkerCommand.appends` (an older one ignores the field, so an owner
+    sends APPENDs in columns only to a worker that says this).
+    """
     @_builtins.property
     def audio_format(self) -> _common_pb2.AudioFormat:
         """Format of all PCM on the Run stream, in both directions."""
@@ -139,10 +144,11 @@ class WorkerDescription(_message.Message):
         frame_samples: _builtins.int = ...,
         worker_id: _builtins.str = ...,
         max_sessions: _builtins.int = ...,
+        append_columns: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["audio_format", b"audio_format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_format", b"audio_format", "device", b"device", "frame_samples", b"frame_samples", "max_batch", b"max_batch", "max_sessions", b"max_sessions", "model_id", b"model_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_columns", b"append_columns", "audio_format", b"audio_format", "device", b"device", "frame_samples", b"frame_samples", "max_batch", b"max_batch", "max_sessions", b"max_sessions", "model_id", b"model_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -365,6 +371,7 @@ class WorkerCommand(_message.Message):
     ABORT_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     STEP_COLUMNS_FIELD_NUMBER: _builtins.int
+    APPENDS_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """The owner's id. Required in the first command of a Run stream."""
     step_columns: _builtins.bool
@@ -383,6 +390,14 @@ class WorkerCommand(_message.Message):
     def release(self) -> _containers.RepeatedCompositeFieldContainer[Global___Release]:
         """Releases, applied after `submit`."""
 
+    @_builtins.property
+    def appends(self) -> Global___AppendColumns:
+        """APPENDs as columns, for a worker that reads them (`WorkerDescription.append_columns`):
+        applied after `abort` and before `submit`. An owner puts an APPEND here only when no
+        earlier submission of its session in the same command is in `submit`, and only one
+        without `params`; the rest go in `submit`, in order.
+        """
+
     def __init__(
         self,
         *,
@@ -391,14 +406,78 @@ class WorkerCommand(_message.Message):
         abort: _abc.Iterable[Global___Abort] | None = ...,
         release: _abc.Iterable[Global___Release] | None = ...,
         step_columns: _builtins.bool = ...,
+        appends: Global___AppendColumns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["appends", b"appends"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "owner", b"owner", "release", b"release", "step_columns", b"step_columns", "submit", b"submit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "appends", b"appends", "owner", b"owner", "release", b"release", "step_columns", b"step_columns", "submit", b"submit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerCommand: _TypeAlias = WorkerCommand  # noqa: Y015
+
+@_typing.final
+class AppendColumns(_message.Message):
+    """APPENDs as arrays aligned to `request_id`, each what a `Submission` of kind APPEND would
+    carry; their PCM back to back in one field. One decode reads every session's append: the
+    worker builds no message per append and decodes all their PCM at once. Columns of unequal
+    lengths, or PCM that is not the sum of `frames`, fail the Run stream (INVALID_ARGUMENT); an
+    entry the worker refuses (a fence, an id, the input queue) is answered with an error update
+    like a refused submission.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    FRAMES_FIELD_NUMBER: _builtins.int
+    PCM_FIELD_NUMBER: _builtins.int
+    REPLAY_FIELD_NUMBER: _builtins.int
+    pcm: _builtins.bytes
+    @_builtins.property
+    def request_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def session_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The fence of each APPEND: its three fields."""
+
+    @_builtins.property
+    def epoch(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def turn_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def seq(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The owner's append sequence number of each (`Submission.seq`)."""
+
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Whole frames in each APPEND (at least one); `pcm` holds them in this order."""
+
+    @_builtins.property
+    def replay(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Replayed input (`Submission.replay`), aligned like the rest; empty when none is."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _abc.Iterable[_builtins.str] | None = ...,
+        session_id: _abc.Iterable[_builtins.str] | None = ...,
+        epoch: _abc.Iterable[_builtins.int] | None = ...,
+        turn_id: _abc.Iterable[_builtins.int] | None = ...,
+        seq: _abc.Iterable[_builtins.int] | None = ...,
+        frames: _abc.Iterable[_builtins.int] | None = ...,
+        pcm: _builtins.bytes = ...,
+        replay: _abc.Iterable[_builtins.bool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "frames", b"frames", "pcm", b"pcm", "replay", b"replay", "request_id", b"request_id", "seq", b"seq", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppendColumns: _TypeAlias = AppendColumns  # noqa: Y015
 
 @_typing.final
 class StepColumns(_message.Message):

@@ -55,6 +55,7 @@ from duplex.tls import ChannelCredentials
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS
 from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
+from session_service.workers.command_form import build_command, frame_bytes_of
 from session_service.workers.kept_releases import KeptReleases
 from session_service.workers.liveness import Liveness, WorkerStalledError
 from session_service.workers.placement import worker_key
@@ -160,6 +161,7 @@ class WorkerLink:
         self._channel = self._new_channel()
         self._stub = worker_pb2_grpc.DuplexWorkerStub(self._channel)
         self.description: worker_pb2.WorkerDescription | None = None
+        self._frame_bytes = 0  # the worker's frame in bytes where it reads APPENDs in columns
         self._healthy = False
         self.generation = 0
         """Counts Run streams opened: a session attached under one generation is not attached
@@ -312,7 +314,7 @@ class WorkerLink:
                 desc = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0)
                 check_worker(self._plugin, desc)
                 worker_id = worker_key(desc, self.address)
-                self.description = desc
+                self.description, self._frame_bytes = desc, frame_bytes_of(desc)
                 self.worker_id = worker_id
                 rate = desc.audio_format.sample_rate_hz
                 self.pacer.period = desc.frame_samples / rate if rate and desc.frame_samples else 0.0
@@ -463,9 +465,7 @@ class WorkerLink:
             if not (pending.submit or pending.abort or pending.release):
                 continue
             self.liveness.written(pending.submit, pending.abort, pending.release)
-            cmd = worker_pb2.WorkerCommand(
-                submit=pending.submit, abort=pending.abort, release=pending.release
-            )
+            cmd = build_command(pending.submit, pending.abort, pending.release, frame_bytes=self._frame_bytes)
             WORKER_COMMAND_SIZE.observe(len(pending.submit) + len(pending.abort) + len(pending.release))
             try:
                 await call.write(cmd)
