@@ -945,6 +945,15 @@ def test_against_baseline_checks_out_a_commit_of_a_real_repository(tmp_path: Pat
         ab.checkout(first, tmp_path / "none", repo=not_a_clone)
 
 
+def test_command_forms_measures_both_forms_of_a_command_the_worker_queues_whole() -> None:
+    from benchmarks import command_forms
+
+    rows = command_forms.measure(4)
+    assert [r["form"] for r in rows] == ["rows", "columns"]
+    assert all(r["session_us_per_session"] > 0 and r["worker_us_per_session"] > 0 for r in rows)
+    assert rows[1]["bytes_per_session"] < rows[0]["bytes_per_session"]  # one PCM field, no message each
+
+
 def test_step_forms_measures_both_forms_and_columns_are_smaller_on_the_wire() -> None:
     from benchmarks import step_forms
 
