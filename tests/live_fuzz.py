@@ -727,6 +727,11 @@ class Fuzz:
             ]:
                 await self._run_stream(stub, cmds, f"worker Run ({name})", wait=1.0)
             await self._run_stream(stub, self._junk_commands(owner, sid), "worker Run (junk)", wait=1.5)
+            # APPENDs in columns: bad entries (each refused alone), then columns that do not line
+            # up (each ends its stream).
+            for name, cols in self._junk_columns(sid):
+                cmds = [worker_pb2.WorkerCommand(owner=owner), worker_pb2.WorkerCommand(appends=cols)]
+                await self._run_stream(stub, cmds, f"worker Run (columns: {name})", wait=1.0)
         await self.worker_never_reading(tag)
         self.attacks["worker"] += 1
 
@@ -829,6 +834,49 @@ class Fuzz:
             ),
         ]
         return cmds
+
+    @staticmethod
+    def _junk_columns(sid: str) -> list[tuple[str, worker_pb2.AppendColumns]]:
+        frame = pcm_of(VOICES[1][:512], PCM16K_MONO)
+        top = 2**64 - 1
+        entries = [  # (request id, session id, epoch, seq, frames)
+            ("r", sid, 5, 1, 1),
+            ("", sid, 5, 1, 1),
+            ("r" * 200, sid, 5, 1, 1),
+            ("r", "s" * 200, 5, 1, 1),
+            ("r", "nobody", 5, 1, 1),
+            ("r", sid, top, top, 1),
+            ("r", sid, 5, 1, 0),
+        ]
+        bad = worker_pb2.AppendColumns(
+            request_id=[e[0] for e in entries],
+            session_id=[e[1] for e in entries],
+            epoch=[e[2] for e in entries],
+            turn_id=[0] * len(entries),
+            seq=[e[3] for e in entries],
+            frames=[e[4] for e in entries],
+            pcm=frame * sum(e[4] for e in entries),
+            replay=[True] * len(entries),
+        )
+        uneven = worker_pb2.AppendColumns()
+        uneven.CopyFrom(bad)
+        uneven.seq.append(2)
+        short = worker_pb2.AppendColumns()
+        short.CopyFrom(bad)
+        short.pcm = frame[:-1]
+        huge = worker_pb2.AppendColumns()
+        huge.CopyFrom(bad)
+        huge.frames[0] = 2**32 - 1
+        misaligned = worker_pb2.AppendColumns()
+        misaligned.CopyFrom(bad)
+        misaligned.replay.append(False)
+        return [
+            ("bad entries", bad),
+            ("uneven", uneven),
+            ("short pcm", short),
+            ("huge frames", huge),
+            ("misaligned replay", misaligned),
+        ]
 
     async def _unary(self, call: Awaitable[Any], where: str) -> None:
         try:
