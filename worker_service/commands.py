@@ -258,9 +258,9 @@ class CommandHandler:
                     raise bad_submission(f"ids are at most {MAX_ID_LENGTH} characters")
                 if not units:
                     raise bad_submission("an APPEND carries at least one frame")
-                work = Work(APPEND, Fence(sid, epochs[i], turns[i]), owner, rid, seq=seqs[i])
-                work.frames = frames[start:pos]
-                work.replay = bool(replays) and replays[i]
+                fence = Fence(sid, epochs[i], turns[i])
+                replay = bool(replays) and replays[i]
+                work = Work(APPEND, fence, owner, rid, seq=seqs[i], frames=frames[start:pos], replay=replay)
                 self._admit(owner, work, units, engine_cmds)
             except DuplexError as err:
                 fence = Fence(_clip(sid), epochs[i], turns[i])
