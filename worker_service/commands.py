@@ -15,8 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
+from duplex.audio import decode
 from duplex.errors import BadRequestError, CapacityError, DuplexError, ErrorCode, WorkerErrorCode
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, worker_pb2
@@ -275,16 +274,15 @@ def _frame_bytes(model: StepModel[Any]) -> int:
 
 
 def decode_frames(model: StepModel[Any], pcm: bytes, frames: int) -> FloatArray:
-    """``frames`` whole frames of s16 PCM as ``(frames, frame_samples)`` float32 rows, in one
-    pass; PCM of another length refuses the command (INVALID_ARGUMENT)."""
+    """``frames`` whole frames of the model's PCM as ``(frames, frame_samples)`` float32 rows,
+    in one pass (``duplex.audio.decode``); PCM of another length refuses the command
+    (INVALID_ARGUMENT)."""
     if len(pcm) != frames * _frame_bytes(model):
         raise BadRequestError(
             ErrorCode.INVALID_EVENT,
             f"AppendColumns: {len(pcm)} bytes of pcm for {frames} frames of {_frame_bytes(model)} bytes",
         )
-    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32)
-    samples *= np.float32(1.0 / 32768.0)
-    rows: FloatArray = samples.reshape(-1, model.frame_samples)
+    rows: FloatArray = decode(pcm, model.audio_format).reshape(-1, model.frame_samples)
     return rows
 
 
