@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from worker_service.engine import Engine, OwnerStep
+from worker_service.engine import Engine
+from worker_service.engine_types import OwnerStep
 from worker_service.model import StepModel
 from worker_service.models import create_model
 

@@ -63,7 +63,8 @@ from benchmarks._sys import NoMeasurement, fail, write_result
 from duplex.client import DuplexClient, Session, event_kind, turn_detection
 from duplex.fence import Fence
 from duplex.stack import LocalStack
-from worker_service.engine import APPEND, COMMIT, RESPOND, Engine, Enqueue, QueueCounter, Work
+from worker_service.engine import Engine
+from worker_service.engine_types import APPEND, COMMIT, RESPOND, Enqueue, QueueCounter, Work
 from worker_service.server import resolve_device
 
 FRAME_BYTES = FRAME * 2  # s16le mono at 16 kHz: the worker format of both models

@@ -18,7 +18,8 @@ import torch
 
 from benchmarks._common import FRAME, StepCounter, start_engine
 from duplex.fence import Fence
-from worker_service.engine import APPEND, COMMIT, RESPOND, Engine, Enqueue, QueueCounter, Work
+from worker_service.engine import Engine
+from worker_service.engine_types import APPEND, COMMIT, RESPOND, Enqueue, QueueCounter, Work
 from worker_service.server import resolve_device
 
 

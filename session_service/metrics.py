@@ -50,6 +50,19 @@ WORKERS_HEALTHY: Final = Gauge(
 WORKER_SESSIONS: Final = Gauge(
     "duplex_session_worker_sessions", "Sessions placed on each worker link (by its address).", ["worker"]
 )
+WORKER_TICK_COMMANDS: Final = Counter(
+    "duplex_session_worker_tick_commands",
+    "Commands written for a worker's tick, by whether the worker had them when that tick began "
+    "(made) or not (missed: every frame in them waited a tick more). Only against a worker that "
+    "says which commands its steps had (StepOutput.commands_applied).",
+    ["worker", "outcome"],
+)
+WORKER_TICK_LEAD: Final = Gauge(
+    "duplex_session_worker_tick_lead_seconds",
+    "How far ahead of a worker's tick the link writes the tick's one command (widened on a miss, "
+    "narrowed as commands make their ticks).",
+    ["worker"],
+)
 WORKER_STALLS: Final = Counter(
     "duplex_session_worker_stalls",
     "Worker links dropped because the worker owed output and sent none for the stall timeout.",

@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from duplex.v1 import worker_pb2
+from duplex.v1 import common_pb2, worker_pb2
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.workers.link import WorkerLink
 
@@ -177,3 +177,165 @@ async def test_a_control_submission_does_not_wait_for_the_tick() -> None:
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sender
+
+
+# ---- one command per tick, against a worker that says which commands its steps had --------------
+
+
+def test_a_worker_that_says_what_its_steps_had_judges_each_command_and_moves_the_lead() -> None:
+    """Commands written for a tick are judged by the first step of that tick: made when the
+    worker had them (``commands_applied`` at least their number), missed otherwise. A miss widens
+    the lead by ``LEAD_MISS``, a command that made it narrows it by ``LEAD_MADE``, within bounds;
+    commands for a later tick wait for theirs."""
+    from session_service.workers import write_pacing as wp
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        pacer = wp.WritePacer(0.002)
+        pacer.period = 1.0
+        pacer.new_stream()  # the stream's first command is number 1
+        assert not pacer.told and pacer.heard_tick(500_000) == (0, 0)  # an older worker: not told
+        assert not pacer.told
+        now = loop.time()
+        pacer.wrote(now + 1.0)  # command 2, for the tick 1 s away
+        pacer.wrote(now + 2.0)  # command 3, for the tick after
+        # A step of the tick before them (it announces the next tick 1 s away): nothing judged.
+        assert pacer.heard_tick(1_000_000, commands_applied=1) == (0, 0) and pacer.told
+        # The step of command 2's tick (announcing the one 2 s away) had it: made, lead narrows.
+        assert pacer.heard_tick(2_000_000, commands_applied=2) == (1, 0)
+        assert pacer.lead == pytest.approx(wp.LEAD_START - wp.LEAD_MADE)
+        # The step of command 3's tick had only 2 commands: command 3 missed it, lead widens.
+        assert pacer.heard_tick(3_000_000, commands_applied=2) == (0, 1)
+        assert pacer.lead == pytest.approx(wp.LEAD_START - wp.LEAD_MADE + wp.LEAD_MISS)
+        for _ in range(20):
+            pacer.wrote(loop.time())
+            pacer.heard_tick(1_000_000, commands_applied=1)  # each missed its tick
+        assert pacer.lead == wp.LEAD_MAX
+        for _ in range(1000):
+            pacer.wrote(loop.time())
+            pacer.heard_tick(1_000_000, commands_applied=pacer.commands)
+        assert pacer.lead == wp.LEAD_MIN
+        # A new stream (the worker may be an older one): told again only by its steps.
+        pacer.new_stream()
+        assert not pacer.told and pacer.commands == 1 and not pacer._targets
+
+    asyncio.run(run())
+
+
+async def test_against_a_worker_that_says_a_control_submission_joins_the_ticks_command() -> None:
+    """One command per tick: a RESPOND waits for the tick's write point with the APPENDs (the
+    worker still applies it ahead of the tick); an abort still goes at once."""
+    link, call = _link(0.002), _Recorder()
+    loop = asyncio.get_running_loop()
+    link.pacer.period = 0.5
+    link.pacer.tick_at = loop.time() + 0.4
+    link.pacer.told = True
+    written_at: list[float] = []
+    record = call.write
+
+    async def write(cmd: worker_pb2.WorkerCommand) -> None:
+        written_at.append(loop.time())
+        await record(cmd)
+
+    call.write = write  # type: ignore[method-assign]
+    sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
+    try:
+        link.pacer.shared, link.pacer.senders_since = True, loop.time()
+        t0 = loop.time()
+        first = link.submit([worker_pb2.Submission(request_id="s1", kind=worker_pb2.SUBMISSION_KIND_APPEND)])
+        await asyncio.sleep(0.02)
+        respond = link.submit(
+            [worker_pb2.Submission(request_id="s2", kind=worker_pb2.SUBMISSION_KIND_RESPOND)]
+        )
+        await asyncio.wait_for(asyncio.gather(first, respond), 2)
+        assert [[s.request_id for s in c.submit] for c in call.commands] == [["s1", "s2"]]
+        # Written the lead before the tick (0.4 s away): 0.4 - 0.3 * 0.5 = 0.25 s.
+        assert written_at[0] - t0 >= 0.2
+        link.submit([worker_pb2.Submission(request_id="s3", kind=worker_pb2.SUBMISSION_KIND_APPEND)])
+        t1 = loop.time()
+        link.abort(worker_pb2.Abort(request_id="s3"))
+        from tests.worker_helpers import wait_until
+
+        await wait_until(lambda: len(call.commands) == 2)
+        assert written_at[1] - t1 < 0.2  # the next tick's write point is ~0.5 s away
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+
+
+async def test_against_a_live_worker_the_link_writes_one_command_per_tick() -> None:
+    """Four sessions append a frame each every frame period, at their own phases, to a real
+    worker on its frame clock: the link learns that the worker says what its steps had, writes
+    about one command per tick (not one per session, nor two per tick), judges its commands,
+    and every frame is consumed."""
+    from prometheus_client import REGISTRY
+
+    from tests.session_helpers import worker_server
+    from tests.worker_helpers import wait_until
+
+    acked: dict[str, int] = {}
+
+    def on_step(_link: WorkerLink, step: worker_pb2.StepOutput) -> None:
+        for u in step.updates:
+            if u.input_seq:
+                acked[u.fence.session_id] = max(acked.get(u.fence.session_id, 0), u.input_seq)
+        for rid, seq in zip(step.columns.request_id, step.columns.input_seq, strict=False):
+            if seq:
+                acked[rid] = max(acked.get(rid, 0), seq)
+
+    sids = [f"t{i}" for i in range(4)]
+    frame = b"\x10\x00" * 512
+    async with worker_server() as worker:
+        link = WorkerLink(
+            f"127.0.0.1:{worker.port}",
+            owner="replica-t",
+            plugin=ParrotPlugin(),
+            on_step=on_step,
+            on_lost=lambda _l: None,
+            on_health=lambda: None,
+            write_coalesce_s=0.002,
+        )
+        link.start()
+        try:
+            await wait_until(lambda: link.healthy)
+            for sid in sids:
+                assert await link.attach(sid, 1, takeover=False, deadline_s=5) == 1
+            loop = asyncio.get_running_loop()
+            period = link.pacer.period
+
+            async def session(i: int, sid: str, seqs: range) -> None:
+                await asyncio.sleep(i * period / 4)  # each its own phase
+                start = loop.time()
+                for n, seq in enumerate(seqs, 1):
+                    fence = common_pb2.Fence(session_id=sid, epoch=1)
+                    append = worker_pb2.Submission(
+                        request_id=sid,
+                        fence=fence,
+                        kind=worker_pb2.SUBMISSION_KIND_APPEND,
+                        seq=seq,
+                        pcm=frame,
+                    )
+                    link.submit([append])
+                    await asyncio.sleep(max(0.0, start + n * period - loop.time()))
+
+            def judged() -> float:
+                return sum(
+                    REGISTRY.get_sample_value(
+                        "duplex_session_worker_tick_commands_total", {"worker": link.address, "outcome": o}
+                    )
+                    or 0.0
+                    for o in ("made", "missed")
+                )
+
+            await asyncio.gather(*(session(i, sid, range(1, 16)) for i, sid in enumerate(sids)))  # it learns
+            assert link.pacer.told
+            before, judged_before, t0 = link.commands_sent, judged(), loop.time()
+            await asyncio.gather(*(session(i, sid, range(16, 61)) for i, sid in enumerate(sids)))
+            ticks = (loop.time() - t0) / period
+            written = link.commands_sent - before
+            assert written <= ticks + 3, (written, ticks)  # two a tick would be ~2 * ticks
+            await wait_until(lambda: all(acked.get(sid) == 60 for sid in sids), within=5)
+            assert judged() - judged_before >= written / 2  # judged as their ticks' steps came
+        finally:
+            await link.close()

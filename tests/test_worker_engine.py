@@ -3,6 +3,7 @@ legacy outputs that fail closed, a fatal engine crash, and the step interval."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -21,7 +22,8 @@ from duplex.fence import Fence
 from tests.worker_helpers import APPEND, COMMIT, FRAME, RESPOND, RunClient, error_codes, pcm, sub, worker
 from worker_service.cli import build_parser, config_from_args
 from worker_service.config import WorkerConfig
-from worker_service.engine import AbortOlder, Engine, Enqueue, OwnerStep, QueueCounter, Work
+from worker_service.engine import Engine
+from worker_service.engine_types import AbortOlder, Enqueue, OwnerStep, QueueCounter, Work
 from worker_service.model import RequestNews, StepBatch, StepModel, StepResult, run_as_helper
 from worker_service.models.synthetic import SyntheticModel
 
@@ -455,8 +457,63 @@ async def test_a_step_says_when_the_next_tick_is(clock: str) -> None:
     step = next(m for m in msgs if m.step > 0)
     if clock == "frame":
         assert 0 < step.next_tick_us <= 32_000  # within one frame period of the step
+        assert step.commands_applied == 2  # the stream's first command and the APPEND's
     else:
         assert step.next_tick_us == 0  # no clock to announce
+        assert step.commands_applied == 0  # nor any tick a command could make
+
+
+async def test_each_step_says_how_many_of_the_streams_commands_it_had() -> None:
+    """``commands_applied`` counts the stream's commands (its first is 1) applied when the step
+    began: a step that consumed a command's frame counts that command, the count never goes
+    down, and never counts a command not yet sent. A new stream counts from 1 again, and the
+    engine forgets the count of a stream that ended."""
+    from duplex.v1 import worker_pb2
+
+    async with worker(model_factory=lambda device: FakeModel()) as (server, stub):
+        await stub.Attach(worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1"), timeout=5)
+        run = RunClient(stub, "o1")
+        sent = 1
+        carried: dict[int, int] = {}  # seq -> the number of the command that carried it
+        for seq in range(1, 7):
+            run.send(sub("r1", "s1", APPEND, seq=seq, data=pcm(np.zeros(FRAME, np.float32))))
+            sent += 1
+            carried[seq] = sent
+            if seq % 2:
+                await asyncio.sleep(0.05)  # some commands between ticks, some together
+        msgs = await run.until(lambda m: m.step > 0 and any(u.input_seq == 6 for u in m.updates))
+        steps = [m for m in msgs if m.step > 0]
+        counts = [m.commands_applied for m in steps]
+        assert counts == sorted(counts) and counts[-1] == sent
+        for m in steps:
+            for u in m.updates:
+                if u.input_seq:
+                    assert m.commands_applied >= carried[u.input_seq]
+        run.close()
+        engine = server.engine
+        await asyncio.sleep(0.1)
+        run2 = RunClient(stub, "o1")
+        run2.send(sub("r1", "s1", APPEND, seq=7, data=pcm(np.zeros(FRAME, np.float32))))
+        msgs = await run2.until(lambda m: m.step > 0)
+        assert next(m for m in msgs if m.step > 0).commands_applied == 2
+        run2.close()
+        for _ in range(100):  # the engine applies the stream's end at its next iteration
+            if not len(engine._marks):
+                break
+            await asyncio.sleep(0.05)
+        assert len(engine._marks) == 0
+
+
+def test_the_end_of_an_older_stream_leaves_a_newer_streams_count() -> None:
+    from worker_service.engine_types import CommandMark, CommandMarks
+
+    marks = CommandMarks()
+    marks.apply(CommandMark("o1", stream=1, count=5))
+    marks.apply(CommandMark("o1", stream=2, count=1))  # the owner reconnected
+    marks.apply(CommandMark("o1", stream=1, count=0))  # the old stream's end comes late
+    assert marks.count("o1") == 1
+    marks.apply(CommandMark("o1", stream=2, count=0))
+    assert marks.count("o1") == 0 and len(marks) == 0
 
 
 def test_on_the_frame_clock_control_work_with_no_input_ahead_is_applied_as_it_comes() -> None:

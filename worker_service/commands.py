@@ -10,6 +10,7 @@ raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -28,7 +29,9 @@ from worker_service.engine_types import (
     COMMIT,
     RESPOND,
     AbortOlder,
+    CommandMark,
     EngineCommand,
+    EngineDeadError,
     Enqueue,
     ReleaseSession,
     Update,
@@ -135,8 +138,9 @@ class CommandHandler:
         msg = "the session was taken over by another owner"
         self._hub.send_updates(owner, [Update(request_id, fence, error=(WorkerErrorCode.NOT_OWNER, msg))])
 
-    def handle(self, owner: str, cmd: worker_pb2.WorkerCommand) -> None:
-        """Fence and validate one command, queue its work on the engine, answer rejections."""
+    def handle(self, owner: str, cmd: worker_pb2.WorkerCommand, mark: CommandMark | None = None) -> None:
+        """Fence and validate one command, queue its work on the engine, answer rejections;
+        ``mark`` (the stream's count of commands, this one included) is queued after its work."""
         model = self._state.serving_model()
         sessions = self._sessions
         fences = sessions.fences
@@ -199,9 +203,17 @@ class CommandHandler:
                 engine_cmds.append(ReleaseSession(sid))
             sessions.forget(sid)
         # Anything but an APPEND wakes an engine waiting for its tick.
-        self._engine.submit(engine_cmds, appends_only=len(engine_cmds) == enqueued)
+        appends_only = len(engine_cmds) == enqueued
+        if mark is not None:
+            engine_cmds.append(mark)
+        self._engine.submit(engine_cmds, appends_only=appends_only)
         if rejected:
             self._hub.send_updates(owner, rejected)
+
+    def stream_ended(self, owner: str, stream: int) -> None:
+        """Run stream ``stream`` of ``owner`` ended: the engine forgets its count of commands."""
+        with contextlib.suppress(EngineDeadError):
+            self._engine.submit([CommandMark(owner, stream, 0)], appends_only=True)
 
     def _admit(self, owner: str, work: Work, units: int, engine_cmds: list[EngineCommand]) -> None:
         """Fence one submission's work and queue it (its request's input queue holds ``units``

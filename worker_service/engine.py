@@ -25,8 +25,9 @@ interval must be below the frame period). A model that must run free (``StepMode
 gets it whatever the engine was asked for.
 
 The asyncio side talks to the engine only through ordered commands (``Enqueue``, ``AbortOlder``,
-``ReleaseSession``) applied between steps: model state and queues need no locks. A per-request
-failure becomes that request's error update (vLLM v1); one escaping the batched step is fatal.
+``ReleaseSession``, ``CommandMark``) applied between steps: model state and queues need no
+locks. A per-request failure becomes that request's error update (vLLM v1); one escaping the
+batched step is fatal.
 """
 
 from __future__ import annotations
@@ -52,12 +53,12 @@ from worker_service.engine_types import (
     COMMIT,
     RESPOND,
     AbortOlder,
+    CommandMark,
+    CommandMarks,
     EngineCommand,
     EngineDeadError,
     Enqueue,
     OwnerStep,
-    QueueCounter,
-    ReleaseSession,
     Sink,
     Update,
     Work,
@@ -65,10 +66,6 @@ from worker_service.engine_types import (
 from worker_service.model import FloatArray, StepBatch, StepModel
 from worker_service.sparse_adapter import adapt_multimodal_outputs
 from worker_service.step_outputs import Request, collect_news, model_failure, route_audio
-
-# The types moved to ``engine_types``: re-exported, so ``from worker_service.engine import ...`` works.
-__all__ = ["APPEND", "CLEAR", "COMMIT", "RESPOND", "AbortOlder", "Engine", "EngineCommand", "EngineDeadError"]
-__all__ += ["Enqueue", "OwnerStep", "QueueCounter", "ReleaseSession", "Sink", "Update", "Work"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +118,7 @@ class Engine:
         self.dead: BaseException | None = None
         # Engine-thread state.
         self._requests: dict[str, Request] = {}
+        self._marks = CommandMarks()
         self._runnable: OrderedDict[str, Request] = OrderedDict()
         self._queued_units = 0
         self._step_no = 0
@@ -255,6 +253,8 @@ class Engine:
                 self._enqueue(model, cmd, news)
             elif isinstance(cmd, AbortOlder):
                 self._abort_older(model, cmd)
+            elif isinstance(cmd, CommandMark):
+                self._marks.apply(cmd)
             else:
                 self._release(model, cmd.session_id)
 
@@ -418,8 +418,8 @@ class Engine:
             if time.monotonic() >= budget_end:
                 break
             out.extend(self._step_all(model, news, behind))
-        for _, item in out:
-            item.next_tick_at = self._next_step_at
+        for owner, item in out:
+            item.next_tick_at, item.commands_applied = self._next_step_at, self._marks.count(owner)
         return out
 
     def _step_all(

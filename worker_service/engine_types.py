@@ -84,7 +84,38 @@ class ReleaseSession:
     session_id: str
 
 
-EngineCommand = Enqueue | AbortOlder | ReleaseSession
+@dataclass(frozen=True, slots=True)
+class CommandMark:
+    """Run stream ``stream`` of ``owner`` has had ``count`` commands handled, all of their work
+    queued before this mark (``count`` 0: the stream ended; its mark is dropped)."""
+
+    owner: str
+    stream: int
+    count: int
+
+
+EngineCommand = Enqueue | AbortOlder | ReleaseSession | CommandMark
+
+
+class CommandMarks:
+    """The engine thread's last ``CommandMark`` of each owner's open Run stream."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, tuple[int, int]] = {}  # owner -> (its stream, commands handled)
+
+    def apply(self, mark: CommandMark) -> None:
+        if mark.count:
+            self._marks[mark.owner] = (mark.stream, mark.count)
+        elif self._marks.get(mark.owner, (0, 0))[0] == mark.stream:
+            del self._marks[mark.owner]  # that stream ended (a newer one of the owner keeps its own)
+
+    def count(self, owner: str) -> int:
+        """Commands of ``owner``'s stream applied so far (0: none known)."""
+        mark = self._marks.get(owner)
+        return mark[1] if mark is not None else 0
+
+    def __len__(self) -> int:
+        return len(self._marks)
 
 
 @dataclass(slots=True)
@@ -123,6 +154,9 @@ class OwnerStep:
     next_tick_at: float = 0.0
     """Frame clock: ``time.monotonic()`` of the engine's next tick as this step ended (0: the
     free clock); sent as ``StepOutput.next_tick_us``."""
+    commands_applied: int = 0
+    """Frame clock: the owner's stream's commands applied when the tick began (its last
+    ``CommandMark``); sent as ``StepOutput.commands_applied``."""
     held: list[str] = field(default_factory=list)
     """Reconciliation (``step`` 0, first on a new Run stream): sessions the worker held for the
     owner when the stream opened; sent as ``held_sessions`` with their fences as they are when

@@ -42,6 +42,7 @@ def to_proto(
     if item.step:
         if item.next_tick_at:
             out.next_tick_us = max(0, int((item.next_tick_at - time.monotonic()) * 1e6))
+            out.commands_applied = item.commands_applied
         mm = out.outputs
         mm.output_type = item.output_type
         mm.sparse_audio = item.sparse
@@ -132,7 +133,11 @@ def strip(item: OwnerStep, stale: set[str], is_current: Callable[[Fence], bool])
     FENCED.labels(reason="stale_output").inc(len(stale))
     keep = [i for i, (rid, _) in enumerate(item.batch) if rid not in stale]
     out = OwnerStep(
-        step=item.step, output_type=item.output_type, sparse=item.sparse, next_tick_at=item.next_tick_at
+        step=item.step,
+        output_type=item.output_type,
+        sparse=item.sparse,
+        next_tick_at=item.next_tick_at,
+        commands_applied=item.commands_applied,
     )
     out.batch = [item.batch[i] for i in keep]
     out.input_seq = [item.input_seq[i] for i in keep]

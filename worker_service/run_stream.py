@@ -5,8 +5,10 @@ which the owner reconciles by releasing what it no longer has; the stream's firs
 applied before that list is converted, so a session it releases is not listed. Commands are
 read by a task of their own and applied in order (``commands.CommandHandler.handle``); the
 engine's results reach the stream through the owner's channel (``delivery``) and are converted
-on the way out (``outputs.to_proto``). When the owner's last stream ends, its orphan reap starts
-(``sessions.SessionTable.owner_left``).
+on the way out (``outputs.to_proto``). Each command is followed on the engine by a
+``CommandMark`` (the stream's count of commands), so each step can tell the owner how many of
+its commands it had applied (``StepOutput.commands_applied``). When the owner's last stream
+ends, its orphan reap starts (``sessions.SessionTable.owner_left``).
 
 Output is written with ``context.write()``: a write that waits for an owner that stopped reading
 fails when the stream is dropped, and it fails here, where that is expected, not inside gRPC's
@@ -16,6 +18,7 @@ handling of a response generator (which logs it as an error with a traceback).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -26,7 +29,7 @@ from duplex.errors import BadRequestError, DuplexError, ErrorCode
 from duplex.v1 import worker_pb2
 from worker_service.commands import CommandHandler, check_id_length
 from worker_service.delivery import OutputHub, OwnerChannel
-from worker_service.engine_types import OwnerStep
+from worker_service.engine_types import CommandMark, OwnerStep
 from worker_service.identity import IdentityPolicy
 from worker_service.outputs import to_proto
 from worker_service.sessions import SessionTable
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 HELD_PER_MESSAGE = 4096
 
 _Context = grpc.aio.ServicerContext[Any, Any]
+
+_STREAM_NUMBERS = itertools.count(1)
 
 
 class RunStreams:
@@ -76,7 +81,7 @@ class RunStreams:
         held = self._sessions.fences.live_sessions_of(owner)
         for i in range(0, len(held), HELD_PER_MESSAGE):
             channel.push(OwnerStep(step=0, held=held[i : i + HELD_PER_MESSAGE]))
-        stream = RunStream(owner, channel, self._hub, self._sessions, self._commands)
+        stream = RunStream(owner, channel, self._hub, self._sessions, self._commands, next(_STREAM_NUMBERS))
         stream.start(first, rest)
         return stream
 
@@ -91,8 +96,13 @@ class RunStream:
         hub: OutputHub,
         sessions: SessionTable,
         commands: CommandHandler,
+        number: int = 0,
     ) -> None:
         self.owner = owner
+        self.number = number
+        """Tells this stream's ``CommandMark`` from those of the owner's other streams."""
+        self.commands = 0
+        """Commands handled on this stream (each step tells the owner how many it had)."""
         self._channel = channel
         self._hub = hub
         self._sessions = sessions
@@ -124,6 +134,7 @@ class RunStream:
         if self._reader is not None:
             self._reader.cancel()
         self._hub.discard(self._channel)
+        self._commands.stream_ended(self.owner, self.number)
         logger.info("owner %r: Run stream ended", self.owner)
         self._sessions.owner_left(self.owner)
 
@@ -150,8 +161,9 @@ class RunStream:
     def _apply(self, cmd: worker_pb2.WorkerCommand) -> bool:
         """``CommandHandler.handle``; a failure of the stream as a whole (the worker stops
         serving, a bug) closes the channel with its error and returns False."""
+        self.commands += 1
         try:
-            self._commands.handle(self.owner, cmd)
+            self._commands.handle(self.owner, cmd, CommandMark(self.owner, self.number, self.commands))
         except DuplexError as err:
             self._channel.close(err)
             return False

@@ -758,6 +758,7 @@ class StepOutput(_message.Message):
     HELD_SESSIONS_FIELD_NUMBER: _builtins.int
     NEXT_TICK_US_FIELD_NUMBER: _builtins.int
     COLUMNS_FIELD_NUMBER: _builtins.int
+    COMMANDS_APPLIED_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """The worker's step counter (from 1)."""
     next_tick_us: _builtins.int
@@ -767,6 +768,14 @@ class StepOutput(_message.Message):
     sends its submissions once per tick, just before it, has every session's
     frame in one WorkerCommand and in one step. 0: the worker steps as input
     comes (free clock), or this message is not a step's.
+    """
+    commands_applied: _builtins.int
+    """With the frame clock, in every StepOutput of a step: how many of this Run
+    stream's WorkerCommands (its first counts 1) the worker had applied when
+    the step began. An owner that writes one command per tick, a little ahead
+    of it, learns from it whether each command made the tick it was written
+    for, and so how far ahead of the tick to write. 0: not told (the free
+    clock, or an older worker).
     """
     @_builtins.property
     def batch(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntry]:
@@ -807,10 +816,11 @@ class StepOutput(_message.Message):
         held_sessions: _abc.Iterable[_common_pb2.Fence] | None = ...,
         next_tick_us: _builtins.int = ...,
         columns: Global___StepColumns | None = ...,
+        commands_applied: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "outputs", b"outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "columns", b"columns", "held_sessions", b"held_sessions", "next_tick_us", b"next_tick_us", "outputs", b"outputs", "step", b"step", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "columns", b"columns", "commands_applied", b"commands_applied", "held_sessions", b"held_sessions", "next_tick_us", b"next_tick_us", "outputs", b"outputs", "step", b"step", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

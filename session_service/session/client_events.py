@@ -57,10 +57,9 @@ class ClientEvents(Failover):
         match kind:
             case "append":
                 link = self.link
-                size = ev.ByteSize()
-                if link is not None and link.healthy and self._mailbox.has_room(size):
+                if link is not None and self._append_pipelined(ev):
                     # Not awaiting its write: the next append finds the runner idle.
-                    self._append_now(ev.append, received, link, ev.event_id, size)
+                    self._append_now(ev.append, received, link, ev.event_id, ev.ByteSize())
                 else:
                     await self._on_append(ev.append, received)
             case "commit":
@@ -90,6 +89,35 @@ class ClientEvents(Failover):
                 raise BadEventError(ErrorCode.ALREADY_OPEN, "the session is already open")
             case _:
                 raise BadEventError(ErrorCode.INVALID_EVENT, "empty or unreadable client event")
+
+    def _joins_earlier_writes(self, ev: session_pb2.ClientEvent) -> bool:
+        """Whether the runner hands this event to the link without first waiting for the writes
+        of earlier appends: an append applied at once (``_append_pipelined``), and a commit or a
+        clear, which so joins those appends' command rather than waiting for the next (their
+        handlers wait for the appends' answers before answering; see ``_answer_error``)."""
+        kind = ev.WhichOneof("event")
+        return kind in ("commit", "clear") or (kind == "append" and self._append_pipelined(ev))
+
+    def _answer_error(self, err: DuplexError, event_id: str, after_appends: bool) -> None:
+        """Answer an event's failure; ``after_appends``: once earlier appends are answered."""
+        if after_appends:
+            self._answers.now(lambda: self._error(err, event_id))
+        else:
+            self._error(err, event_id)
+
+    def _append_pipelined(self, ev: session_pb2.ClientEvent) -> bool:
+        """Whether the runner applies this event, an append, without awaiting its write or the
+        writes of earlier appends (its ack is ordered after theirs all the same): the session's
+        link is healthy and the append's bytes fit the mailbox's bound. Appends queued behind a
+        control event then go out together, in the worker's next command, not one per command
+        (one per worker tick, where the link writes once a tick)."""
+        link = self.link
+        return (
+            ev.WhichOneof("event") == "append"
+            and link is not None
+            and link.healthy
+            and self._mailbox.has_room(ev.ByteSize())
+        )
 
     async def _on_append(self, ap: session_pb2.InputAudioAppend, received: float) -> None:
         pcm = ap.pcm  # read once: each read of a bytes field copies it
@@ -334,6 +362,7 @@ class ClientEvents(Failover):
             self._options_pending()
             raise
         res.commit()
+        await self._answers.settled()  # submitted with earlier appends: answered after them
         if frames and self.epoch == fence.epoch:
             self._worker_seq += 1
             self.replay.appended(frames, epoch=fence.epoch, seq=self._worker_seq, turn_id=fence.turn_id)
@@ -354,6 +383,7 @@ class ClientEvents(Failover):
             request_id=self.session_id, fence=self._fence(), kind=CLEAR, params=self._take_options()
         )
         await self._submit(link, [sub])
+        await self._answers.settled()  # submitted with earlier appends: answered after them
         self.replay.cleared()
         self.state.input_since_commit_samples = 0
         self.input_status = InputStatus.OPEN

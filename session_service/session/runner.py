@@ -280,8 +280,12 @@ class SessionRunner(ClientEvents):
                     continue
                 event_id = item.event.event_id if isinstance(item, _Inbound) else ""
                 self._busy = True
+                # An event that joins earlier appends' command goes to the link before their
+                # writes are done; its answers still come after theirs (``_answers``).
+                joins = isinstance(item, _Inbound) and self._joins_earlier_writes(item.event)
                 try:
-                    await self._answers.settled()  # appends applied at once come first
+                    if not joins:
+                        await self._answers.settled()  # appends applied at once come first
                     if isinstance(item, _Silence):
                         await self._on_silence(item.response)
                     elif isinstance(item, _Recover):
@@ -289,13 +293,13 @@ class SessionRunner(ClientEvents):
                     else:
                         await self._dispatch(item.event, item.received)
                 except DuplexError as err:
-                    self._error(err, event_id)
+                    self._answer_error(err, event_id, joins)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     # Nothing a client sends may crash the runner: log, answer, go on.
                     log.exception("session %s: event failed", self.session_id)
-                    self._error(InternalError(ErrorCode.INTERNAL, "internal error"), event_id)
+                    self._answer_error(InternalError(ErrorCode.INTERNAL, "internal error"), event_id, joins)
                 finally:
                     self._busy = False
                 self._check_overflow()  # once per item: a client that stopped reading is closed

@@ -11,12 +11,33 @@ frames) stays a row, for the worker to refuse with its usual error.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from duplex.audio import PcmFormat
 from duplex.v1 import worker_pb2
 
 _APPEND = worker_pb2.SUBMISSION_KIND_APPEND
+
+#: Submissions the worker applies as they come (not model steps).
+CONTROL = frozenset(
+    {worker_pb2.SUBMISSION_KIND_COMMIT, worker_pb2.SUBMISSION_KIND_RESPOND, worker_pb2.SUBMISSION_KIND_CLEAR}
+)
+
+
+@dataclass(slots=True)
+class Pending:
+    """What a link's next WorkerCommand carries, and the futures of the submissions in it."""
+
+    submit: list[worker_pb2.Submission] = field(default_factory=list)
+    futures: list[asyncio.Future[None]] = field(default_factory=list)
+    abort: list[worker_pb2.Abort] = field(default_factory=list)
+    release: list[worker_pb2.Release] = field(default_factory=list)
+    urgent: bool = False
+    """A COMMIT, RESPOND or CLEAR is in it, for a worker that does not say ``commands_applied``:
+    written at once, not at the tick's write point (a RESPOND's reply starts sooner; the worker
+    applies control work as it comes)."""
 
 
 def frame_bytes_of(desc: worker_pb2.WorkerDescription) -> int:

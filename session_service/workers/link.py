@@ -2,12 +2,13 @@
 
 The link's sender task coalesces every pending submission, abort and release into ONE
 ``WorkerCommand`` per loop iteration (the hop is never one message per frame), written at the
-worker's tick's write point (``write_pacing``: at most twice per tick against a frame clock; an
-abort or a control submission at once; a lone session never held back). Its reader hands each ``StepOutput``
-to the router. A link that loses its stream is unhealthy at once, tells the router (its sessions
-get ``worker_unavailable`` and move on their next submission), then reconnects with jittered
-backoff; the channel's own reconnect backoff is capped the same way, so a worker restarted after a
-long outage is back within ``backoff_max_s`` or so.
+worker's tick's write point (``write_pacing``: once a tick, a learnt lead ahead of it, against
+a worker that says which commands made its ticks; an abort at once; a lone session never held
+back). Its reader hands each ``StepOutput`` to the router. A link that loses its stream is
+unhealthy at once, tells the router (its sessions get ``worker_unavailable`` and move on their
+next submission), then reconnects with jittered backoff; the channel's own reconnect backoff is
+capped the same way, so a worker restarted after a long outage is back within
+``backoff_max_s`` or so.
 
 With ``credentials`` (mutual TLS towards the workers) the channel is a TLS channel made from
 ``ChannelCredentials.current()``; a reconnect asks again and, when the certificate files changed
@@ -44,7 +45,6 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -53,9 +53,9 @@ from duplex.errors import ErrorCode, UnavailableError, from_rpc_error
 from duplex.serving import CHANNEL_OPTIONS
 from duplex.tls import ChannelCredentials
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS
+from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS, WORKER_TICK_COMMANDS, WORKER_TICK_LEAD
 from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
-from session_service.workers.command_form import build_command, frame_bytes_of
+from session_service.workers.command_form import CONTROL, Pending, build_command, frame_bytes_of
 from session_service.workers.kept_releases import KeptReleases
 from session_service.workers.liveness import Liveness, WorkerStalledError
 from session_service.workers.placement import worker_key
@@ -81,12 +81,6 @@ def _nothing(link: WorkerLink) -> None:
     pass
 
 
-#: Submissions the worker applies as they come (not model steps): written at once.
-_CONTROL = frozenset(
-    {worker_pb2.SUBMISSION_KIND_COMMIT, worker_pb2.SUBMISSION_KIND_RESPOND, worker_pb2.SUBMISSION_KIND_CLEAR}
-)
-
-
 def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
     """Worker channel options: gRPC's own reconnect backoff (1 s growing to 120 s by default)
     would otherwise keep a restarted worker unreachable long after our backoff retries it."""
@@ -96,19 +90,6 @@ def channel_options(backoff_max_s: float) -> list[tuple[str, int]]:
         ("grpc.min_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
         ("grpc.max_reconnect_backoff_ms", max(int(backoff_max_s * 1000), 200)),
     ]
-
-
-@dataclass(slots=True)
-class _Pending:
-    """What the next WorkerCommand carries, and the futures of the submissions in it."""
-
-    submit: list[worker_pb2.Submission] = field(default_factory=list)
-    futures: list[asyncio.Future[None]] = field(default_factory=list)
-    abort: list[worker_pb2.Abort] = field(default_factory=list)
-    release: list[worker_pb2.Release] = field(default_factory=list)
-    urgent: bool = False
-    """A COMMIT, RESPOND or CLEAR is in it: written at once, not at the tick's write point (a
-    RESPOND's reply starts sooner; the worker applies control work as it comes)."""
 
 
 class WorkerLink:
@@ -166,7 +147,7 @@ class WorkerLink:
         self.generation = 0
         """Counts Run streams opened: a session attached under one generation is not attached
         to the (possibly restarted) worker behind a later one."""
-        self._pending = _Pending()
+        self._pending = Pending()
         self._kept = KeptReleases()
         """Releases waiting for a stream (``kept_releases``)."""
         self._attaching: Counter[str] = Counter()
@@ -233,7 +214,7 @@ class WorkerLink:
         pending = self._pending
         pending.submit.extend(subs)
         pending.futures.append(fut)
-        if not pending.urgent and any(s.kind in _CONTROL for s in subs):
+        if not pending.urgent and not self.pacer.control_waits and any(s.kind in CONTROL for s in subs):
             pending.urgent = True
             self.pacer.cut_short()
         self._wake.set()
@@ -403,13 +384,22 @@ class WorkerLink:
     ) -> None:
         heard = self.liveness.heard
         heard_tick = self.pacer.heard_tick
+        made, missed, lead = (
+            WORKER_TICK_COMMANDS.labels(worker=self.address, outcome="made"),
+            WORKER_TICK_COMMANDS.labels(worker=self.address, outcome="missed"),
+            WORKER_TICK_LEAD.labels(worker=self.address),
+        )
         while True:
             step = await call.read()
             if not isinstance(step, worker_pb2.StepOutput):  # grpc.aio.EOF
                 raise ConnectionError("worker closed the Run stream")
             heard(step)
             if step.next_tick_us:
-                heard_tick(step.next_tick_us)
+                hits, misses = heard_tick(step.next_tick_us, step.commands_applied)
+                if hits or misses:
+                    made.inc(hits)
+                    missed.inc(misses)
+                    lead.set(self.pacer.lead * self.pacer.period)
             try:
                 self._on_step(self, step)
             except Exception:
@@ -454,14 +444,15 @@ class WorkerLink:
         while True:
             await self._wake.wait()
             pending = self._pending
+            tick = 0.0
             if not (pending.abort or pending.urgent) and pacer.worth_waiting():
                 # Every WorkerCommand is a syscall and a wake-up on both ends: submissions of
                 # sessions that arrive within the window share one (and the worker's next step).
                 # Against a frame clock the window runs to just before the next tick: one
                 # command per tick. An abort (a barge-in) goes at once.
-                await pacer.until_write_point()
+                tick = await pacer.until_write_point()
             self._wake.clear()
-            pending, self._pending = self._pending, _Pending()
+            pending, self._pending = self._pending, Pending()
             if not (pending.submit or pending.abort or pending.release):
                 continue
             self.liveness.written(pending.submit, pending.abort, pending.release)
@@ -481,6 +472,7 @@ class WorkerLink:
                         fut.set_exception(ConnectionError(UNAVAILABLE_MESSAGE))
                 raise
             self.commands_sent += 1
+            pacer.wrote(tick)
             for fut in pending.futures:
                 if not fut.done():
                     fut.set_result(None)
@@ -489,7 +481,7 @@ class WorkerLink:
         was = self._healthy
         self._healthy = False
         self._release(self)  # this link holds no stream: another address of its worker may
-        pending, self._pending = self._pending, _Pending()
+        pending, self._pending = self._pending, Pending()
         self._kept.keep(pending.release)  # unsent: first thing on the next stream
         for fut in pending.futures:
             if not fut.done():

@@ -2,16 +2,26 @@
 
 A link's sender coalesces every pending submission into one command. Against a worker on a frame
 clock (its steps carry ``next_tick_us``) and while several sessions submit, the command waits for
-the tick's write point, a little ahead of the tick (``TICK_LEAD``), at most ``WRITES_PER_TICK``
-times a tick: the sessions' frames of a tick travel in one or two commands, not one each. Without
-a clock it waits ``coalesce_s``. A lone session is never held back, and an abort or a control
-submission cuts the wait short (``cut_short``).
+the tick's write point, ahead of the tick: the sessions' frames of a tick travel in one command,
+not one each. Without a clock it waits ``coalesce_s``. A lone session is never held back, and an
+abort (a barge-in) cuts the wait short (``cut_short``).
+
+**One command per tick, its lead learnt.** A worker that says in each step how many of the
+stream's commands it had (``StepOutput.commands_applied``) tells the link whether each command
+made the tick it was written for. The link then writes once a tick, ``lead`` ahead of it, and
+adapts the lead: a miss (every frame in that command waited a tick more) widens it by
+``LEAD_MISS``, a command that made it narrows it by ``LEAD_MADE``, so about one command in
+``LEAD_MISS / LEAD_MADE`` misses, whatever the hop and the machine's load. Control submissions
+(COMMIT, RESPOND, CLEAR) join the tick's command: applied ahead of the tick, a reply computed
+meanwhile still starts at that tick. A worker that does not say (an older one) gets the fixed
+``TICK_LEAD`` and ``WRITES_PER_TICK`` commands a tick, control submissions at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 
 #: How often the pacer looks at how many sessions submit (waiting only pays when several do).
 SENDERS_LOOK_S = 0.1
@@ -26,6 +36,19 @@ TICK_LEAD = 0.15
 #: every frame in it waits a whole tick more: with one write per tick the ack p99 of 64
 #: real-time sessions was 119-140 ms, with two 77-82 ms, for the same CPU (``benchmarks.tiers``).
 WRITES_PER_TICK = 2
+
+#: One command per tick (a worker that says ``commands_applied``): the lead, a fraction of the
+#: frame period, at first, at least and at most; widened by ``LEAD_MISS`` on each miss and
+#: narrowed by ``LEAD_MADE`` on each command that made its tick.
+LEAD_START = 0.3
+LEAD_MIN = 0.15
+LEAD_MAX = 0.6
+LEAD_MISS = 0.1
+LEAD_MADE = 0.001
+
+#: Commands written for a tick and not yet judged (no step of that tick came: none of the
+#: link's sessions stepped in it) are forgotten beyond this many.
+TARGETS_KEPT = 64
 
 
 def next_tick(now: float, announced: float, period: float, written_for: float) -> float:
@@ -62,6 +85,14 @@ class WritePacer:
         """The worker's frame period in seconds (from Describe)."""
         self.written_for = 0.0
         """The tick the last command was written for (the next one waits for the tick after)."""
+        self.told = False
+        """The worker says ``commands_applied``: one command per tick, with a learnt lead."""
+        self.lead = LEAD_START
+        """One command per tick: how far ahead of the tick it is written (of the period)."""
+        self.commands = 0
+        """Commands written on the stream (its first counts 1), as the worker counts them."""
+        self._targets: deque[tuple[int, float]] = deque(maxlen=TARGETS_KEPT)
+        """(command number, its tick) of commands written for a tick, not yet judged."""
         self._nap: asyncio.Future[None] | None = None
 
     def submitted(self, session_id: str) -> None:
@@ -69,16 +100,54 @@ class WritePacer:
         if self.coalesce_s > 0:
             self.senders.add(session_id)
 
-    def heard_tick(self, next_tick_us: int) -> None:
-        """A step announced the worker's next tick, ``next_tick_us`` from now."""
+    def heard_tick(self, next_tick_us: int, commands_applied: int = 0) -> tuple[int, int]:
+        """A step announced the worker's next tick, ``next_tick_us`` from now, and how many of
+        the stream's commands it had when it began. Returns how many commands written for
+        this step's tick (or an earlier one) made it and how many missed it; the lead adapts."""
         self.tick_at = asyncio.get_running_loop().time() + next_tick_us / 1e6
+        if not commands_applied:
+            return 0, 0
+        self.told = True
+        made = missed = 0
+        targets = self._targets
+        # This step's tick is a period before the next; half a period of slack for the error of
+        # projecting the worker's clock onto this loop's.
+        judged_until = self.tick_at - self.period / 2
+        while targets and targets[0][1] <= judged_until:
+            number, _ = targets.popleft()
+            if commands_applied >= number:
+                made += 1
+            else:
+                missed += 1
+        if missed:
+            self.lead = min(LEAD_MAX, self.lead + missed * LEAD_MISS)
+        elif made:
+            self.lead = max(LEAD_MIN, self.lead - made * LEAD_MADE)
+        return made, missed
 
     def new_stream(self) -> None:
-        """A new stream (maybe a restarted worker): its clock is not known yet."""
+        """A new stream (maybe a restarted, or older, worker): its clock is not known yet, and
+        its first command was written."""
         self.tick_at = 0.0
+        self.told = False
+        self.commands = 1
+        self._targets.clear()
+
+    def wrote(self, tick: float = 0.0) -> None:
+        """The sender wrote a command, for ``tick`` (what ``until_write_point`` returned; 0: it
+        was for no tick in particular)."""
+        self.commands += 1
+        if tick:
+            self._targets.append((self.commands, tick))
+
+    @property
+    def control_waits(self) -> bool:
+        """Control submissions join the tick's one command rather than cut the wait short."""
+        return self.told
 
     def cut_short(self) -> None:
-        """Write now: an abort (a barge-in) or a control submission does not wait for the tick."""
+        """Write now: an abort (a barge-in), or a control submission against a worker that does
+        not say ``commands_applied``, does not wait for the tick."""
         if self._nap is not None:
             _wake(self._nap)
 
@@ -95,19 +164,25 @@ class WritePacer:
             self.senders_since = now
         return self.shared
 
-    async def until_write_point(self) -> None:
-        """Wait until the command should be written: ``TICK_LEAD`` before the worker's next tick
+    async def until_write_point(self) -> float:
+        """Wait until the command should be written: the lead before the worker's next tick
         (projected from the last one it announced), or ``coalesce_s`` without a clock;
-        ``cut_short`` ends the wait."""
+        ``cut_short`` ends the wait. Returns the tick the command is for where the worker says
+        ``commands_applied`` (for ``wrote``), else 0."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         delay = self.coalesce_s
+        target = 0.0
         if self.tick_at and self.period:
-            point = next_tick(now, self.tick_at, self.period / WRITES_PER_TICK, self.written_for)
+            if self.told:
+                point = target = next_tick(now, self.tick_at, self.period, self.written_for)
+                delay = point - self.lead * self.period - now
+            else:
+                point = next_tick(now, self.tick_at, self.period / WRITES_PER_TICK, self.written_for)
+                delay = point - TICK_LEAD * self.period - now
             self.written_for = point
-            delay = point - TICK_LEAD * self.period - now
         if delay <= 0:
-            return
+            return target
         nap = self._nap = loop.create_future()
         timer = loop.call_later(delay, _wake, nap)
         try:
@@ -115,3 +190,4 @@ class WritePacer:
         finally:
             timer.cancel()
             self._nap = None
+        return target
