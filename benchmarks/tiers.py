@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "reply_per_input": m["reply_frames"] / frames,
         "steps_in_window": steps,
         "mean_batch": mean_batch,
+        "link_commands": link_commands(scraped),
         "cpu_us_per_frame": us,
         "cpu_detail_per_frame": detail,
         "cpu_pct": r.cpu_pct,
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "  the load "
         + ("held real time" if not why else "did NOT hold real time: " + "; ".join(why))
-        + f" (ack p99 {fmt(row['ack_ms']['p99'])} ms)",
+        + f" (ack p99 {fmt(row['ack_ms']['p99'])} ms)"
+        + _commands_note(result["link_commands"]),
         flush=True,
     )
     if compared is not None:
@@ -321,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{lanes['model_whole_us_per_frame']:.0f} µs, worker overhead "
             f"{fmt(lanes['worker_overhead_us_per_frame'], '.0f')} µs per session-frame"
             + _serving_note(lanes)
+            + _commands_note(lanes["link_commands"])
             + _split_note(lanes["worker_split_us_per_frame"])
             + (
                 ""
@@ -360,18 +363,19 @@ def load_spec(
 
 def load_window(st: Any, spec: LoadSpec) -> tuple[LoadResult, dict[str, str]]:
     """Run ``spec`` against the stack ``st``; also the worker's /metrics at the window's start
-    (``a``) and end (``b``): its batch sizes and the CPU its model spent in place."""
+    (``a``) and end (``b``): its batch sizes and the CPU its model spent in place; and the
+    session service's (``sa``, ``sb``): the commands its worker link wrote."""
     assert st.session is not None
-    worker = st.worker_children[0]
-    pids = {"session": st.session.pid, "worker": worker.pid}
+    worker, session = st.worker_children[0], st.session
+    pids = {"session": session.pid, "worker": worker.pid}
     scraped: dict[str, str] = {}
 
     def during(a: float, b: float) -> None:
-        scraped["a"] = scrape(worker.metrics)
+        scraped["a"], scraped["sa"] = scrape(worker.metrics), scrape(session.metrics)
 
         def at_b() -> None:
             time.sleep(max(0.0, b - time.monotonic()))
-            scraped["b"] = scrape(worker.metrics)
+            scraped["b"], scraped["sb"] = scrape(worker.metrics), scrape(session.metrics)
 
         threading.Thread(target=at_b, daemon=True).start()
 
@@ -396,6 +400,37 @@ def _mean_batch(scraped: dict[str, str]) -> tuple[float, float]:
     if c1 <= c0:
         raise NoMeasurement("the worker made no step in the window")
     return (s1 - s0) / (c1 - c0), c1 - c0
+
+
+def _labelled_total(text: str, name: str, label: str) -> float:
+    """The sum of ``name``'s samples whose labels hold ``label`` (``outcome="missed"``)."""
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{") and label in line
+    )
+
+
+def link_commands(scraped: dict[str, str]) -> dict[str, float] | None:
+    """The session service's worker link over the window: ``WorkerCommand``s written per worker
+    step (the aim: one per tick, and a tick is a step but for catch-ups), and the share of those
+    written for a tick that missed it (None where the worker does not say which made it). None
+    where the session service's metrics were not read at both ends."""
+    if not {"a", "b", "sa", "sb"} <= scraped.keys():
+        return None
+    steps = _mean_batch(scraped)[1]
+    written = (
+        histogram_sum_count(scraped["sb"], "duplex_session_worker_command_items")[1]
+        - histogram_sum_count(scraped["sa"], "duplex_session_worker_command_items")[1]
+    )
+    name = "duplex_session_worker_tick_commands_total"
+    made, missed = (
+        _labelled_total(scraped["sb"], name, f'outcome="{o}"')
+        - _labelled_total(scraped["sa"], name, f'outcome="{o}"')
+        for o in ("made", "missed")
+    )
+    out = {"per_step": written / steps}
+    if made + missed > 0:
+        out["missed_fraction"] = missed / (made + missed)
+    return out
 
 
 def model_in_place(scraped: dict[str, str], frames: float) -> dict[str, float] | None:
@@ -425,11 +460,22 @@ def compared_row(name: str, r: LoadResult, scraped: dict[str, str], spec: LoadSp
         "mean_batch": _mean_batch(scraped)[0],
         "cpu_us_per_frame": _per_frame(r.cpu_s, frames),
         "model_in_place_us_per_frame": model_in_place(scraped, frames),
+        "link_commands": link_commands(scraped),
         "worker_detail_per_frame": per_frame_detail(r.cpu_detail, frames).get("worker"),
         "ack_p99_ms": step_row(r, why)["ack_ms"]["p99"],
         "held_real_time": not why,
         "why": why,
     }
+
+
+def _commands_note(link: dict[str, float] | None) -> str:
+    """The worker link's commands per step, and the share that missed their tick."""
+    if link is None:
+        return ""
+    missed = link.get("missed_fraction")
+    return f"; the worker link wrote {link['per_step']:.2f} commands per worker step" + (
+        "" if missed is None else f", {100 * missed:.1f} % of them too late for their tick"
+    )
 
 
 def overhead(worker_us: float | None, model_whole_us: float) -> float | None:

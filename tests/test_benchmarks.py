@@ -88,6 +88,34 @@ def test_the_model_in_place_and_the_worker_s_serving_beside_it():
     assert _services.sample_value(a, "duplex_worker_model_cpu_seconds_total", 'part="other"') is None
 
 
+def _session_metrics(commands: float, made: float | None, missed: float | None) -> str:
+    text = (
+        f"duplex_session_worker_command_items_sum {commands * 40}\n"
+        f"duplex_session_worker_command_items_count {commands}\n"
+    )
+    for outcome, n in (("made", made), ("missed", missed)):
+        if n is not None:
+            text += (
+                f'duplex_session_worker_tick_commands_total{{outcome="{outcome}",worker="127.0.0.1:1"}} {n}\n'
+            )
+    return text
+
+
+def test_the_worker_links_commands_per_step_and_the_share_too_late_for_their_tick():
+    a, b = _worker_metrics(10.0, 5.0, 1.0, 0.5), _worker_metrics(90.0, 105.0, 1.2, 0.6)  # 100 steps
+    sa, sb = _session_metrics(50.0, 40.0, 0.0), _session_metrics(150.0, 137.0, 3.0)
+    link = tiers.link_commands({"a": a, "b": b, "sa": sa, "sb": sb})
+    assert link == pytest.approx({"per_step": 1.0, "missed_fraction": 0.03})
+    # A worker that does not say which commands made its ticks: no share, never a zero.
+    old = _session_metrics(50.0, None, None), _session_metrics(250.0, None, None)
+    assert tiers.link_commands({"a": a, "b": b, "sa": old[0], "sb": old[1]}) == pytest.approx(
+        {"per_step": 2.0}
+    )
+    assert tiers.link_commands({"a": a, "b": b}) is None  # the session service not read
+    assert "1.00 commands per worker step, 3.0 %" in tiers._commands_note(link)
+    assert tiers._commands_note(None) == ""
+
+
 def test_the_model_paced_at_a_frame_period_steps_once_per_period():
     import torch
 

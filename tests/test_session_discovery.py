@@ -37,7 +37,7 @@ from duplex.tls import ClientTLS, ServerTLS
 from duplex.v1 import session_pb2
 from session_service.api.cli import config_from_args
 from session_service.api.server import SessionServer
-from session_service.metrics import WORKER_STALLS
+from session_service.metrics import WORKER_STALLS, WORKER_TICK_COMMANDS, WORKER_TICK_LEAD
 from session_service.workers.discovery import (
     DiscoveryError,
     DnsResolver,
@@ -357,6 +357,8 @@ async def test_update_adds_and_removes_links_and_takes_their_metric_series_along
     pool.start()
     assert kept.describe("worker-a") and gone.describe("worker-b")
     WORKER_STALLS.labels(worker=gone.address)  # what a WorkerLink makes
+    WORKER_TICK_LEAD.labels(worker=gone.address).set(0.01)  # and its reader, against a frame clock
+    WORKER_TICK_COMMANDS.labels(worker=gone.address, outcome="missed").inc()
     health: list[bool] = []
     pool.health_listeners.append(health.append)
 
@@ -368,6 +370,10 @@ async def test_update_adds_and_removes_links_and_takes_their_metric_series_along
     added.pool = pool
     assert added.started and not added.healthy
     assert REGISTRY.get_sample_value("duplex_session_worker_stalls_total", {"worker": gone.address}) is None
+    lead = "duplex_session_worker_tick_lead_seconds"
+    assert REGISTRY.get_sample_value(lead, {"worker": gone.address}) is None
+    missed = {"worker": gone.address, "outcome": "missed"}
+    assert REGISTRY.get_sample_value("duplex_session_worker_tick_commands_total", missed) is None
     # The removed link's id is free: another address of worker-b serves it.
     assert added.describe("worker-b")
     assert [link.worker_id for link in pool.placeable().values()] == ["worker-a", "worker-b"]

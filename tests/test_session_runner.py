@@ -106,6 +106,52 @@ async def test_an_append_is_handed_to_the_worker_in_the_posting_task_and_acked_o
     await r.wait_closed()
 
 
+class WritesOnTick(FakeLink):
+    """A link whose writes are all done together when the test says (a worker tick's command)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting: list[asyncio.Future[None]] = []
+
+    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        self.subs.extend(subs)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.append(fut)
+        return fut
+
+    def tick(self) -> None:
+        for fut in self.waiting:
+            fut.set_result(None)
+        self.waiting.clear()
+
+
+async def test_a_commit_and_the_appends_behind_it_join_the_earlier_appends_command() -> None:
+    """A commit does not wait for the writes of the appends before it, nor do the appends queued
+    behind the commit wait for its write: all of them reach the link before one write is done
+    (one command per worker tick, not a tick each). Answers still come in the events' order."""
+    link = WritesOnTick()
+    r = make_runner(link)
+    await r.post(append(1))  # at once: its write waits for the tick
+    await r.post(session_pb2.ClientEvent(event_id="c", commit=session_pb2.InputAudioCommit()))
+    await r.post(append(2))  # queued behind the commit (the runner is in it)
+    await r.post(append(2, eid="dup"))  # refused (seq must increase): answered in its place
+    await settle()
+    assert link.kinds() == [
+        worker_pb2.SUBMISSION_KIND_APPEND,
+        worker_pb2.SUBMISSION_KIND_COMMIT,
+        worker_pb2.SUBMISSION_KIND_APPEND,
+    ]
+    assert kinds(drain(r)) == []  # nothing written yet: nothing answered, the refusal included
+    link.tick()
+    await settle()
+    evs = drain(r)
+    assert kinds(evs) == ["input_ack", "committed", "input_ack", "error"], evs
+    assert [e.input_ack.seq for e in evs if e.HasField("input_ack")] == [1, 2]
+    assert evs[3].error.event_id == "dup"
+    r.close("test")
+    await r.wait_closed()
+
+
 @pytest.mark.parametrize(
     ("event", "code"),
     [

@@ -378,13 +378,15 @@ def test_on_the_frame_clock_an_append_waits_for_the_tick_without_waking_the_engi
 
 async def test_the_command_handler_says_appends_only_exactly_when_a_command_holds_nothing_else() -> None:
     from duplex.v1 import worker_pb2
+    from worker_service.engine_types import CommandMark
 
     said: list[bool] = []
     async with worker(model_factory=lambda device: FakeModel()) as (server, stub):
         submit = server.engine.submit
 
         def recording(commands: list[object], *, appends_only: bool = False) -> None:
-            said.append(appends_only)
+            if any(not isinstance(c, CommandMark) or c.count for c in commands):  # not a stream's end
+                said.append(appends_only)
             submit(commands, appends_only=appends_only)  # type: ignore[arg-type]
 
         server.engine.submit = recording  # type: ignore[method-assign]

@@ -63,7 +63,7 @@ class ClientEvents(Failover):
                 else:
                     await self._on_append(ev.append, received)
             case "commit":
-                await self._on_commit(received)
+                await self._on_commit(received, ev.event_id)
             case "clear":
                 await self._on_clear()
             case "response_create":
@@ -334,7 +334,10 @@ class ClientEvents(Failover):
         if fmt.encoding == F32LE and not np.isfinite(np.frombuffer(pcm, dtype="<f4")).all():
             raise BadEventError(ErrorCode.INVALID_EVENT, "float PCM contains NaN or infinity")
 
-    async def _on_commit(self, received: float) -> None:
+    async def _on_commit(self, received: float, event_id: str) -> None:
+        """Hand the commit to the link and go on: it is not awaited, so the appends queued
+        behind it join its command (one per worker tick) instead of waiting a tick for its
+        write. It is answered once written, after earlier appends (``_commit_written``)."""
         link = await self._bound_link()
         fence = self._fence()
         res = self.state.audio_buffer.reserve_flush()
@@ -356,13 +359,14 @@ class ClientEvents(Failover):
                     request_id=self.session_id, fence=fence, kind=COMMIT, params=None if subs else params
                 )
             )
-            await self._submit(link, subs)
-        except BaseException:
+            written = link.submit(subs)
+            if written.done() and (written.cancelled() or written.exception() is not None):
+                written.result()  # refused at once: failed here, as an awaited write would fail
+        except BaseException as exc:
             res.rollback()
             self._options_pending()
-            raise
+            raise _write_error(exc) from exc
         res.commit()
-        await self._answers.settled()  # submitted with earlier appends: answered after them
         if frames and self.epoch == fence.epoch:
             self._worker_seq += 1
             self.replay.appended(frames, epoch=fence.epoch, seq=self._worker_seq, turn_id=fence.turn_id)
@@ -374,7 +378,32 @@ class ClientEvents(Failover):
         )
         self.state.input_since_commit_samples = 0
         self.input_status = InputStatus.OPEN
-        self._committed(received, samples)
+        # The turn is committed now (a response asked for next finds it so); the client hears
+        # of it once the write is done.
+        turn = self._turn_committed(received)
+        self._submit_wait = (written, self._clock.now() + self._cfg.submit_timeout_s)
+        ticket = self._answers.later()
+        written.add_done_callback(
+            lambda f: self._answers.then(
+                ticket, lambda: self._commit_written(f, link, turn, samples, event_id)
+            )
+        )
+
+    def _commit_written(
+        self, written: asyncio.Future[None], link: WorkerHandle, turn: int, samples: int, event_id: str
+    ) -> None:
+        """The commit's write is done (and earlier appends answered): answer it ``committed``; a
+        write that failed fails it, unless the session moved and the move replays it."""
+        if self._submit_wait is not None and self._submit_wait[0] is written:
+            self._submit_wait = None
+        exc = asyncio.CancelledError() if written.cancelled() else written.exception()
+        if exc is None or (self._replayable and self.link is not link):
+            self._emit_committed(turn, samples)
+            self._check_overflow()
+            return
+        if self.link is link:
+            self.input_status = InputStatus.ABANDONED
+        self._error(_write_error(exc), event_id)
 
     async def _on_clear(self) -> None:
         link = await self._bound_link()

@@ -302,12 +302,17 @@ class SessionState:
     # ---- turns and responses ---------------------------------------------------------------
 
     def _committed(self, at: float, samples: int) -> None:
+        self._emit_committed(self._turn_committed(at), samples)
+
+    def _turn_committed(self, at: float) -> int:
+        """The transition of a commit; returns the id the committed turn's response will have."""
         self.turn_status = TurnStatus.COMMITTED
         self._commit_at = at
+        return self.turn_id + 1
+
+    def _emit_committed(self, turn_id: int, samples: int) -> None:
         audio_ms = samples * 1000 // self._plugin.worker_format.sample_rate_hz
-        self.emitter.emit(
-            "committed", session_pb2.InputCommitted(turn_id=self.turn_id + 1, audio_ms=audio_ms)
-        )
+        self.emitter.emit("committed", session_pb2.InputCommitted(turn_id=turn_id, audio_ms=audio_ms))
 
     def turn_ended(self, committed_samples: int) -> None:
         """The worker's turn detection committed the input; answer it when auto-responding."""

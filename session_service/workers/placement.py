@@ -41,7 +41,14 @@ import grpc
 
 from duplex.errors import CapacityError, DuplexError, ErrorCode, UnavailableError
 from duplex.v1 import worker_pb2
-from session_service.metrics import WORKER_LINKS, WORKER_SESSIONS, WORKER_STALLS, WORKERS_HEALTHY
+from session_service.metrics import (
+    WORKER_LINKS,
+    WORKER_SESSIONS,
+    WORKER_STALLS,
+    WORKER_TICK_COMMANDS,
+    WORKER_TICK_LEAD,
+    WORKERS_HEALTHY,
+)
 from session_service.plugin import PluginLoadError
 
 log = logging.getLogger(__name__)
@@ -191,9 +198,12 @@ class WorkerPool(Generic[L]):
         for link in removed:
             if link.address in self.links:  # back already (a later update): its series are live
                 continue
-            for metric in (WORKER_SESSIONS, WORKER_STALLS):
+            for metric in (WORKER_SESSIONS, WORKER_STALLS, WORKER_TICK_LEAD):
                 with contextlib.suppress(KeyError):
                     metric.remove(link.address)
+            for outcome in ("made", "missed"):
+                with contextlib.suppress(KeyError):
+                    WORKER_TICK_COMMANDS.remove(link.address, outcome)
 
     # ---- one link per worker id ----------------------------------------------------------------
 
