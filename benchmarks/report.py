@@ -351,6 +351,12 @@ def _issue21(sections: dict[str, Any]) -> dict[str, Any]:
         "model_paced_us_per_frame": _get(tiers, "model_paced_at_mean_batch", "cpu_us_per_frame"),
         "worker_serving_us_per_frame_streams": _get(tiers, "worker_serving_us_per_frame"),
         "worker_serving_us_per_frame_lanes": _get(lanes, "worker_serving_us_per_frame"),
+        # The worker link: WorkerCommands per worker step (one per tick is the aim) and the share
+        # written for a tick that came too late for it.
+        "worker_commands_per_step_streams": _get(tiers, "link_commands", "per_step"),
+        "worker_commands_per_step_lanes": _get(lanes, "link_commands", "per_step"),
+        "worker_tick_missed_fraction_streams": _get(tiers, "link_commands", "missed_fraction"),
+        "worker_tick_missed_fraction_lanes": _get(lanes, "link_commands", "missed_fraction"),
         "lanes_mean_batch": _get(lanes, "mean_batch"),
         "worker_ceiling_sessions": _get(null, "ceiling_sessions"),
         "worker_ceiling_first_behind": _get(null, "first_behind_sessions"),
@@ -969,6 +975,17 @@ def _in_place_note(row: dict[str, Any], paced: float | None) -> str:
     )
 
 
+def _commands_note(latest: dict[str, Any], mode: str) -> str:
+    """The worker link's commands per worker step in that window (one a tick is the aim)."""
+    per_step = latest.get(f"worker_commands_per_step_{mode}")
+    if per_step is None:
+        return ""
+    missed = latest.get(f"worker_tick_missed_fraction_{mode}")
+    return f"; the worker link wrote {per_step:.2f} commands per worker step" + (
+        "" if missed is None else f" ({100 * missed:.1f} % too late for their tick)"
+    )
+
+
 def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
     """For each missed target of the frame clock's issue, what this run's data shows bounds it
     (nothing is said where the data does not show it)."""
@@ -1023,6 +1040,7 @@ def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
                 else ""
             )
             + _in_place_note(row, latest.get("model_paced_us_per_frame"))
+            + _commands_note(latest, mode)
             + "; the worker ceiling's null model (no session service, commands replayed) costs "
             f"{f(latest.get('worker_ceiling_us_per_frame_64'), '.1f')} µs per session-frame at 64 sessions."
         )

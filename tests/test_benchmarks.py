@@ -549,6 +549,7 @@ def _sections():
                 "worker_overhead_us_per_frame": 625.0,
                 "model_in_place_us_per_frame": {"step": 95.0, "helpers": 40.0},
                 "worker_serving_us_per_frame": 565.0,
+                "link_commands": {"per_step": 1.02, "missed_fraction": 0.011},
                 "cpu_us_per_frame": {"session": 280.0, "worker": 700.0, "generator": 90.0},
                 "ack_p99_ms": 15.5,
                 "held_real_time": True,
@@ -848,6 +849,11 @@ def test_report_writes_latest_markdown_and_plots(tmp_path: Path):
         "against 50 and 25 in its plain loop (its step once a frame period in a plain loop: 700" in md
     )
     assert "serving beside it cost the worker 565 µs" in md
+    # The worker link's commands per worker step, where the window read them.
+    assert latest["worker_commands_per_step_lanes"] == 1.02
+    assert latest["worker_tick_missed_fraction_lanes"] == 0.011
+    assert latest["worker_commands_per_step_streams"] is None
+    assert "the worker link wrote 1.02 commands per worker step (1.1 % too late for their tick)" in md
     assert "| worker's mean batch / sessions with input | 0.02 | 0.95 |" in md
     assert "| near-zero (`null`) | **256** | 320 | 28.5 | 18.0 | 22.8 |" in md
     assert "| parrot | ≥ **512** | none | 82.0 | 47.0 | — |" in md

@@ -337,6 +337,7 @@ def test_the_frame_clock_steps_every_runnable_request_once_per_tick() -> None:
     try:
         engine.submit([_frames(0, 1)])
         steps.wait_for(1)  # the first tick is at once
+        time.sleep(0.3)  # past the tick's late joins (a quarter of its period)
         for i in (1, 2, 3):
             time.sleep(0.05)  # on the free clock each would take a step of its own, at once
             engine.submit([_frames(i, 1)])
@@ -353,6 +354,30 @@ def test_the_frame_clock_steps_every_runnable_request_once_per_tick() -> None:
     assert events[2][0] - events[1][0] < 0.5  # the chunks of one tick go together
 
 
+def test_input_that_comes_just_after_a_tick_it_missed_joins_it_late() -> None:
+    """Input of a request the tick did not step, coming within a quarter period after the tick
+    began (a command late for it), is stepped at once; a request the tick stepped waits for the
+    next tick, and so does input coming after the quarter."""
+    steps = _Steps()
+    engine = Engine(_SecondFrames, sink=steps)
+    late = REGISTRY.get_sample_value("duplex_worker_late_joins_total") or 0.0
+    engine.start()
+    try:
+        engine.submit([_frames(0, 1)])
+        t0 = steps.wait_for(1)[0][0]  # the first tick is at once
+        engine.submit([_frames(1, 1), _frames(0, 1)], appends_only=True)  # late for it
+        events = steps.wait_for(2)
+        time.sleep(max(0.0, t0 + 0.35 - time.monotonic()))  # past the quarter
+        engine.submit([_frames(2, 1)], appends_only=True)
+        events = steps.wait_for(3)
+    finally:
+        engine.stop()
+    assert [rids for _, _, rids in events] == [["r0"], ["r1"], ["r0", "r2"]]
+    assert events[1][0] - t0 < 0.2  # s1 joined the first tick, late; s0 had stepped in it
+    assert events[2][0] - t0 >= 0.9  # the next tick
+    assert (REGISTRY.get_sample_value("duplex_worker_late_joins_total") or 0.0) - late == 1
+
+
 def test_on_the_frame_clock_an_append_waits_for_the_tick_without_waking_the_engine() -> None:
     """Each wake of the engine thread is a GIL hand-over on the worker's event loop: an append
     arriving while the engine waits for its next tick is applied at that tick, not at once (two
@@ -364,6 +389,7 @@ def test_on_the_frame_clock_an_append_waits_for_the_tick_without_waking_the_engi
     try:
         engine.submit([_frames(0, 2)])  # one frame a tick: s0 stays runnable, the engine waits
         steps.wait_for(1)
+        time.sleep(0.3)  # past the tick's late joins (a quarter of its period)
         engine.submit([_frames(1, 1)], appends_only=True)  # as the worker's command handler says
         time.sleep(0.2)
         assert engine.active_requests == 1  # s1's append waits in the inbox for the tick

@@ -11,12 +11,13 @@ step per frame period for every stream (moshi-server's fixed slots). The engine 
 frame period of the model; a tick steps EVERY runnable request (in chunks of ``max_batch``), so
 the batch is every session with a frame ready (or a reply to advance), whatever its client's
 transport or append size. Input arriving between ticks waits for the next one (at most one
-frame period). A request more than one frame behind after the tick's step (a burst, a replay
-after a move, a client sending faster than real time) catches up by extra frames: up to
-``CATCH_UP_STEPS`` more steps per tick while the tick has used less than ``CATCH_UP_BUDGET`` of
-its period, each taking every request that still has a frame queued, so the behind share steps
-instead of each taking steps of its own. A tick that starts late does not make the next
-ones bunch up: the clock starts again from it.
+frame period), unless it comes just after a tick that did not step its request (a late join).
+A request more than one frame behind after the tick's step (a burst, a replay after a move, a
+client sending faster than real time) catches up by extra frames: up to ``CATCH_UP_STEPS`` more
+steps per tick while the tick has used less than ``CATCH_UP_BUDGET`` of its period, each taking
+every request that still has a frame queued, so the behind share steps instead of each taking
+steps of its own. A tick that starts late does not make the next ones bunch up: the clock
+starts again from it. The tick is ``frame_clock.FrameClock``, a layer of the engine.
 
 ``clock="free"`` steps as soon as there is work (round-robin beyond ``max_batch``), optionally no
 sooner than ``step_interval_s`` after the previous step started (inputs arriving meanwhile join
@@ -38,7 +39,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from itertools import islice
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,24 +64,15 @@ from worker_service.engine_types import (
     Update,
     Work,
 )
+from worker_service.frame_clock import FrameClock
 from worker_service.model import FloatArray, StepBatch, StepModel
 from worker_service.sparse_adapter import adapt_multimodal_outputs
 from worker_service.step_outputs import Request, collect_news, model_failure, route_audio
 
 logger = logging.getLogger(__name__)
 
-#: Frame clock: most extra steps in one tick for requests more than one frame behind (so a
-#: client sending up to this many times faster than real time is still consumed as it sends).
-CATCH_UP_STEPS: Final = 8
-#: Frame clock: catching up stops once the tick has used this share of its frame period (the
-#: next tick must start on time for everyone).
-CATCH_UP_BUDGET: Final = 0.5
-#: Frame clock: a request with at least this many input frames left after the tick's step is
-#: behind (one left is the jitter of arrivals around the tick, caught up as it comes).
-CATCH_UP_BACKLOG: Final = 2
 
-
-class Engine:
+class Engine(FrameClock):
     """Continuous-batching engine around one ``StepModel``; see the module docstring."""
 
     def __init__(
@@ -112,6 +104,8 @@ class Engine:
         self._cond = threading.Condition()
         self._inbox: list[EngineCommand] = []
         self._awaiting_tick = False  # the thread waits for the frame clock's tick (work is due then)
+        self._late_until = 0.0  # ``time.monotonic()`` until which input may still join the last tick
+        self._tick_no = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name="duplex-engine", daemon=True)
         self.model: StepModel[Any] | None = None
@@ -141,7 +135,7 @@ class Engine:
             return
         with self._cond:
             self._inbox.extend(commands)
-            if not (appends_only and self._awaiting_tick):
+            if not (appends_only and self._awaiting_tick and time.monotonic() >= self._late_until):
                 self._cond.notify()
 
     @property
@@ -223,6 +217,8 @@ class Engine:
                 step_outputs = self._tick(model, news)
             else:
                 step_outputs = self._step(model, news, self._select())
+        elif self._runnable and time.monotonic() < self._late_until:
+            step_outputs = self._late_join(model, news)
         results = [(owner, OwnerStep(step=0, updates=u)) for owner, u in news.items() if u]
         results.extend(step_outputs)
         metrics.ACTIVE_REQUESTS.set(len(self._requests))
@@ -400,40 +396,6 @@ class Engine:
             runnable.move_to_end(req.session_id)
         return chosen
 
-    def _tick(self, model: StepModel[Any], news: dict[str, list[Update]]) -> list[tuple[str, OwnerStep]]:
-        """One tick of the frame clock: every runnable request steps once, then those behind
-        catch up together (see the module docstring)."""
-        now = time.monotonic()
-        due = self._next_step_at
-        # On time (or a little late): the next tick one period after this one was due, so the
-        # clock keeps its phase. Idle or far behind: it starts again from now.
-        self._next_step_at = due + self._period if now - due < self._period else now + self._period
-        out = self._step_all(model, news, list(self._runnable.values()))
-        budget_end = now + CATCH_UP_BUDGET * self._period
-        for _ in range(CATCH_UP_STEPS):
-            queued = [(r, r.input_frames()) for r in self._runnable.values()]
-            if not any(n >= CATCH_UP_BACKLOG for _, n in queued):
-                break
-            behind = [r for r, n in queued if n]
-            if time.monotonic() >= budget_end:
-                break
-            out.extend(self._step_all(model, news, behind))
-        for owner, item in out:
-            item.next_tick_at, item.commands_applied = self._next_step_at, self._marks.count(owner)
-        return out
-
-    def _step_all(
-        self, model: StepModel[Any], news: dict[str, list[Update]], reqs: list[Request]
-    ) -> list[tuple[str, OwnerStep]]:
-        """Step ``reqs`` in batches of at most ``max_batch``."""
-        size = self._max_batch
-        if len(reqs) <= size:
-            return self._step(model, news, reqs)
-        out: list[tuple[str, OwnerStep]] = []
-        for i in range(0, len(reqs), size):
-            out.extend(self._step(model, news, reqs[i : i + size]))
-        return out
-
     def _step(
         self, model: StepModel[Any], news: dict[str, list[Update]], chosen: list[Request]
     ) -> list[tuple[str, OwnerStep]]:
@@ -457,6 +419,7 @@ class Engine:
                 continue
             fence = req.reply_fence if replying else req.input_fence
             assert fence is not None
+            req.tick = self._tick_no
             batch.append(req)
             fences.append(fence)
             rows.append(frame)

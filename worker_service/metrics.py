@@ -50,6 +50,12 @@ FENCED: Final = Counter(
     "sessions).",
     ["reason"],
 )
+LATE_JOINS: Final = Counter(
+    "duplex_worker_late_joins",
+    "Frame clock: requests stepped just after a tick they missed (their input came within a "
+    "quarter period after it began: a command written for the tick that came late), instead of a "
+    "whole period later.",
+)
 SUBMISSIONS: Final = Counter("duplex_worker_submissions", "Submissions received, by kind.", ["kind"])
 REQUEST_ERRORS: Final = Counter(
     "duplex_worker_request_errors",

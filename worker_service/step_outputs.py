@@ -40,6 +40,8 @@ class Request:
     seq_reported: int = 0
     input_replay: bool = False
     """The frame taken last came from a replayed APPEND."""
+    tick: int = 0
+    """The frame clock's tick it last stepped in (a late join steps only those it did not)."""
     unanswered: int | None = None
     """The committed samples of a turn the model ended that no RESPOND, COMMIT or CLEAR has
     answered yet (None: none). Told again to an owner that takes the session over: the news

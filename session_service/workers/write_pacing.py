@@ -9,9 +9,11 @@ abort (a barge-in) cuts the wait short (``cut_short``).
 **One command per tick, its lead learnt.** A worker that says in each step how many of the
 stream's commands it had (``StepOutput.commands_applied``) tells the link whether each command
 made the tick it was written for. The link then writes once a tick, ``lead`` ahead of it, and
-adapts the lead: a miss (every frame in that command waited a tick more) widens it by
-``LEAD_MISS``, a command that made it narrows it by ``LEAD_MADE``, so about one command in
-``LEAD_MISS / LEAD_MADE`` misses, whatever the hop and the machine's load. Control submissions
+adapts the lead: a miss widens it by ``LEAD_MISS``, a command that made it narrows it by
+``LEAD_MADE``, so about one command in ``LEAD_MISS / LEAD_MADE`` misses, whatever the hop and
+the machine's load. A miss is cheap: the worker steps the late frames at once, just after the
+tick (a late join), not a period later; so the lead stays short, and the frames that come
+between the write and the tick (and wait for the next one) few. Control submissions
 (COMMIT, RESPOND, CLEAR) join the tick's command: applied ahead of the tick, a reply computed
 meanwhile still starts at that tick. A worker that does not say (an older one) gets the fixed
 ``TICK_LEAD`` and ``WRITES_PER_TICK`` commands a tick, control submissions at once.
@@ -40,11 +42,11 @@ WRITES_PER_TICK = 2
 #: One command per tick (a worker that says ``commands_applied``): the lead, a fraction of the
 #: frame period, at first, at least and at most; widened by ``LEAD_MISS`` on each miss and
 #: narrowed by ``LEAD_MADE`` on each command that made its tick.
-LEAD_START = 0.3
-LEAD_MIN = 0.15
+LEAD_START = 0.25
+LEAD_MIN = 0.08
 LEAD_MAX = 0.6
-LEAD_MISS = 0.1
-LEAD_MADE = 0.001
+LEAD_MISS = 0.05
+LEAD_MADE = 0.0025
 
 #: Commands written for a tick and not yet judged (no step of that tick came: none of the
 #: link's sessions stepped in it) are forgotten beyond this many.
