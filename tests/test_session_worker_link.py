@@ -18,9 +18,12 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.commands: list[worker_pb2.WorkerCommand] = []
+        self.written_at: list[float] = []
+        """The loop's time of each write."""
 
     async def write(self, cmd: worker_pb2.WorkerCommand) -> None:
         self.commands.append(cmd)
+        self.written_at.append(asyncio.get_running_loop().time())
 
 
 def _link(coalesce_s: float) -> WorkerLink:
@@ -110,14 +113,7 @@ async def _clocked(subs_then_abort: bool) -> tuple[list[worker_pb2.WorkerCommand
     submit 10 ms apart, then (``subs_then_abort``) an abort comes. Returns the commands written,
     when each was written, and when the first submission was made."""
     link, call = _link(0.002), _Recorder()
-    written_at: list[float] = []
-    record = call.write
-
-    async def write(cmd: worker_pb2.WorkerCommand) -> None:
-        written_at.append(loop.time())
-        await record(cmd)
-
-    call.write = write  # type: ignore[method-assign]
+    written_at = call.written_at
     loop = asyncio.get_running_loop()
     link.pacer.period = 0.5
     link.pacer.tick_at = loop.time() + 0.3
@@ -152,31 +148,6 @@ async def test_an_abort_does_not_wait_for_the_tick() -> None:
     assert [s.request_id for s in commands[0].submit] == ["s1", "s2", "s3"]
     assert [a.request_id for a in commands[0].abort] == ["s2"]
     assert written_at[0] - t0 < 0.15  # at once, well before the tick's write point
-
-
-async def test_a_control_submission_does_not_wait_for_the_tick() -> None:
-    """A RESPOND (or COMMIT, CLEAR) is written at once with what is pending: the worker applies
-    control work as it comes, and a reply starts sooner."""
-    link, call = _link(0.002), _Recorder()
-    loop = asyncio.get_running_loop()
-    link.pacer.period = 0.5
-    link.pacer.tick_at = loop.time() + 0.4
-    sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
-    try:
-        link.pacer.shared, link.pacer.senders_since = True, loop.time()
-        t0 = loop.time()
-        first = link.submit([worker_pb2.Submission(request_id="s1", kind=worker_pb2.SUBMISSION_KIND_APPEND)])
-        await asyncio.sleep(0.02)
-        respond = link.submit(
-            [worker_pb2.Submission(request_id="s2", kind=worker_pb2.SUBMISSION_KIND_RESPOND)]
-        )
-        await asyncio.wait_for(asyncio.gather(first, respond), 2)
-        assert loop.time() - t0 < 0.2  # not at the tick's write point (0.4 s less the lead)
-        assert [[s.request_id for s in c.submit] for c in call.commands] == [["s1", "s2"]]
-    finally:
-        sender.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sender
 
 
 # ---- one command per tick, against a worker that says which commands its steps had --------------
@@ -222,22 +193,22 @@ def test_a_worker_that_says_what_its_steps_had_judges_each_command_and_moves_the
     asyncio.run(run())
 
 
-async def test_against_a_worker_that_says_a_control_submission_joins_the_ticks_command() -> None:
-    """One command per tick: a RESPOND waits for the tick's write point with the APPENDs (the
-    worker still applies it ahead of the tick); an abort still goes at once."""
+@pytest.mark.parametrize("told", [False, True])
+async def test_a_control_submission_waits_for_the_tick_only_where_the_worker_says_its_commands(
+    told: bool,
+) -> None:
+    """Against a worker that says ``commands_applied`` (one command per tick) a RESPOND (or a
+    COMMIT, a CLEAR) waits for the tick's write point with the APPENDs: the worker still applies
+    it ahead of the tick. Against one that does not, it is written at once with what is pending
+    (the link's older pacing). An abort goes at once either way."""
+    from tests.worker_helpers import wait_until
+
     link, call = _link(0.002), _Recorder()
     loop = asyncio.get_running_loop()
     link.pacer.period = 0.5
     link.pacer.tick_at = loop.time() + 0.4
-    link.pacer.told = True
-    written_at: list[float] = []
-    record = call.write
-
-    async def write(cmd: worker_pb2.WorkerCommand) -> None:
-        written_at.append(loop.time())
-        await record(cmd)
-
-    call.write = write  # type: ignore[method-assign]
+    link.pacer.told = told
+    written_at = call.written_at
     sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
     try:
         link.pacer.shared, link.pacer.senders_since = True, loop.time()
@@ -249,13 +220,13 @@ async def test_against_a_worker_that_says_a_control_submission_joins_the_ticks_c
         )
         await asyncio.wait_for(asyncio.gather(first, respond), 2)
         assert [[s.request_id for s in c.submit] for c in call.commands] == [["s1", "s2"]]
-        # Written the lead before the tick (0.4 s away): 0.4 - 0.3 * 0.5 = 0.25 s.
-        assert written_at[0] - t0 >= 0.2
+        if told:  # the lead before the tick 0.4 s away: 0.4 - 0.25 * 0.5 = 0.275 s
+            assert written_at[0] - t0 >= 0.2
+        else:  # at once, not at the tick's write point
+            assert written_at[0] - t0 < 0.2
         link.submit([worker_pb2.Submission(request_id="s3", kind=worker_pb2.SUBMISSION_KIND_APPEND)])
         t1 = loop.time()
         link.abort(worker_pb2.Abort(request_id="s3"))
-        from tests.worker_helpers import wait_until
-
         await wait_until(lambda: len(call.commands) == 2)
         assert written_at[1] - t1 < 0.2  # the next tick's write point is ~0.5 s away
     finally:
