@@ -630,7 +630,7 @@ class FakeLink:
         self.releases: list[worker_pb2.Release] = []
         self.fail_next = 0
 
-    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+    def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.fail_next:
             self.fail_next -= 1

@@ -779,7 +779,7 @@ class _Link:
         self.subs: list[worker_pb2.Submission] = []
         self.in_flight: list[asyncio.Future[None]] = []
 
-    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+    def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.subs.extend(subs)
         if self.hold:

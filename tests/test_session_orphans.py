@@ -354,7 +354,7 @@ class _Link:
     def release(self, release: worker_pb2.Release) -> None:
         self.releases.append(release)
 
-    def submit(self, subs: Any) -> Any:
+    def submit(self, subs: Any, *, prompt: bool = False) -> Any:
         raise AssertionError("not expected")
 
     def abort(self, abort: worker_pb2.Abort) -> None:

@@ -85,7 +85,7 @@ async def test_an_append_is_handed_to_the_worker_in_the_posting_task_and_acked_o
     never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     class WritesLater(FakeLink):
-        def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
             self.subs.extend(subs)
             return never
 
@@ -113,7 +113,7 @@ class WritesOnTick(FakeLink):
         super().__init__()
         self.waiting: list[asyncio.Future[None]] = []
 
-    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+    def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
         self.subs.extend(subs)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting.append(fut)
@@ -463,7 +463,7 @@ async def test_appends_arm_no_timer_each() -> None:
 
 async def test_a_submission_not_written_in_time_fails_worker_unavailable() -> None:
     class NeverWrites(FakeLink):
-        def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
             self.subs.extend(subs)
             return asyncio.get_running_loop().create_future()  # a worker that stopped reading
 
@@ -783,7 +783,7 @@ class _HoldingLink(FakeLink):
         super().__init__()
         self.in_flight: list[asyncio.Future[None]] = []
 
-    def submit(self, subs):  # type: ignore[no-untyped-def]
+    def submit(self, subs, *, prompt=False):  # type: ignore[no-untyped-def]
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.subs.extend(subs)
         self.in_flight.append(fut)

@@ -310,3 +310,31 @@ async def test_against_a_live_worker_the_link_writes_one_command_per_tick() -> N
             assert judged() - judged_before >= written / 2  # judged as their ticks' steps came
         finally:
             await link.close()
+
+
+@pytest.mark.parametrize("prompt", [False, True])
+async def test_what_is_answered_once_written_takes_the_mid_tick_write_point(prompt: bool) -> None:
+    """One command a tick, unless a submission's client is answered once it is written (an
+    input_ack): then the command goes at the mid-tick write point too, so such acks wait at
+    most half a period for the write, not a whole one."""
+    link, call = _link(0.002), _Recorder()
+    loop = asyncio.get_running_loop()
+    link.pacer.period = 0.5
+    link.pacer.tick_at = loop.time() + 0.45  # the mid point is 0.2 s away, the tick 0.45 s
+    link.pacer.told = True
+    sender = asyncio.create_task(link._send_loop(call))  # type: ignore[arg-type]
+    try:
+        link.pacer.shared, link.pacer.senders_since = True, loop.time()
+        t0 = loop.time()
+        append = worker_pb2.Submission(request_id="s1", kind=worker_pb2.SUBMISSION_KIND_APPEND)
+        await asyncio.wait_for(link.submit([append], prompt=prompt), 2)
+        waited = call.written_at[0] - t0
+        lead = link.pacer.lead * 0.5
+        if prompt:  # the mid point less the lead
+            assert 0.2 - lead - 0.05 <= waited < 0.2
+        else:  # the tick less the lead
+            assert waited >= 0.45 - lead - 0.05
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender

@@ -210,7 +210,7 @@ class ClientEvents(Failover):
             request_id=self.session_id, fence=fence, seq=wseq, frames=frames, params=params
         )
         try:
-            written = link.submit(subs)
+            written = link.submit(subs, prompt=not self.emitter.acks_on_output)
             if written.done() and (written.cancelled() or written.exception() is not None):
                 written.result()  # refused at once: failed here, as _on_append fails it
         except BaseException as exc:
@@ -359,7 +359,7 @@ class ClientEvents(Failover):
                     request_id=self.session_id, fence=fence, kind=COMMIT, params=None if subs else params
                 )
             )
-            written = link.submit(subs)
+            written = link.submit(subs, prompt=not self.emitter.acks_on_output)
             if written.done() and (written.cancelled() or written.exception() is not None):
                 written.result()  # refused at once: failed here, as an awaited write would fail
         except BaseException as exc:

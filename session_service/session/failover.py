@@ -41,7 +41,7 @@ class Failover(SessionState):
     async def _submit(self, link: WorkerHandle, subs: Sequence[worker_pb2.Submission]) -> None:
         """Hand submissions to the link and wait until they are written; one not written in
         ``submit_timeout_s`` fails (``_watch_deadlines`` fails it: no timer per submission)."""
-        written = link.submit(subs)
+        written = link.submit(subs, prompt=not self.emitter.acks_on_output)
         self._submit_wait = (written, self._clock.now() + self._cfg.submit_timeout_s)
         try:
             await written

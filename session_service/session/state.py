@@ -64,8 +64,10 @@ class WorkerHandle(Protocol):
     @property
     def healthy(self) -> bool: ...
 
-    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
-        """Queue submissions; the future resolves once they are written to the Run stream."""
+    def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
+        """Queue submissions; the future resolves once they are written to the Run stream.
+        ``prompt``: the client hears of them once written (an ``input_ack``): the link writes
+        them at its next write point, not only once a tick."""
         ...
 
     def abort(self, abort: worker_pb2.Abort) -> None: ...

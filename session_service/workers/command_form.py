@@ -34,6 +34,10 @@ class Pending:
     futures: list[asyncio.Future[None]] = field(default_factory=list)
     abort: list[worker_pb2.Abort] = field(default_factory=list)
     release: list[worker_pb2.Release] = field(default_factory=list)
+    prompt: bool = False
+    """A submission in it is answered to its client once written (an ``input_ack``, not one
+    carried on output): against a worker that says ``commands_applied`` it goes at the mid-tick
+    write point too, not only at the tick's (acks would otherwise wait up to a whole period)."""
     urgent: bool = False
     """A COMMIT, RESPOND or CLEAR is in it, for a worker that does not say ``commands_applied``:
     written at once, not at the tick's write point (a RESPOND's reply starts sooner; the worker

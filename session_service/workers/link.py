@@ -203,8 +203,9 @@ class WorkerLink:
 
     # ---- commands ----------------------------------------------------------------------------
 
-    def submit(self, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
-        """Queue submissions for the next command; resolves when that command is written."""
+    def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
+        """Queue submissions for the next command; resolves when that command is written.
+        ``prompt``: their client is answered once they are written (``Pending.prompt``)."""
         if not self._healthy:
             log.debug("worker %s: no stream: submission refused", self.address)
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, UNAVAILABLE_MESSAGE)
@@ -214,6 +215,7 @@ class WorkerLink:
         pending = self._pending
         pending.submit.extend(subs)
         pending.futures.append(fut)
+        pending.prompt |= prompt
         if not pending.urgent and not self.pacer.control_waits and any(s.kind in CONTROL for s in subs):
             pending.urgent = True
             self.pacer.cut_short()
@@ -450,7 +452,13 @@ class WorkerLink:
                 # sessions that arrive within the window share one (and the worker's next step).
                 # Against a frame clock the window runs to just before the next tick: one
                 # command per tick. An abort (a barge-in) goes at once.
-                tick = await pacer.until_write_point()
+                while True:
+                    tick, mid = await pacer.until_write_point()
+                    # One command a tick: a mid-tick write point is taken only for what its
+                    # client hears of once written (an input_ack), an abort or control work.
+                    pending = self._pending
+                    if not mid or pending.prompt or pending.abort or pending.urgent:
+                        break
             self._wake.clear()
             pending, self._pending = self._pending, Pending()
             if not (pending.submit or pending.abort or pending.release):

@@ -166,25 +166,33 @@ class WritePacer:
             self.senders_since = now
         return self.shared
 
-    async def until_write_point(self) -> float:
-        """Wait until the command should be written: the lead before the worker's next tick
-        (projected from the last one it announced), or ``coalesce_s`` without a clock;
-        ``cut_short`` ends the wait. Returns the tick the command is for where the worker says
-        ``commands_applied`` (for ``wrote``), else 0."""
+    async def until_write_point(self) -> tuple[float, bool]:
+        """Wait until the command may be written: the lead before the worker's next tick or
+        the middle of the period before it (projected from the last tick it announced), or
+        ``coalesce_s`` without a clock; ``cut_short`` ends the wait. Returns the tick the
+        command is for where the worker says ``commands_applied`` (for ``wrote``; else 0), and
+        whether the point was a mid-tick one (the sender writes there only what cannot wait)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         delay = self.coalesce_s
-        target = 0.0
+        target, mid = 0.0, False
         if self.tick_at and self.period:
+            half = self.period / WRITES_PER_TICK
+            announced = self.tick_at
+            if self.told and announced - half >= now:
+                announced -= half  # the mid-tick point before the announced tick is ahead too
+            point = next_tick(now, announced, half, self.written_for)
+            self.written_for = point
             if self.told:
-                point = target = next_tick(now, self.tick_at, self.period, self.written_for)
+                # The tick the point is, or the one after it (a point mid-period).
+                ticks = math.ceil((point - self.tick_at) / self.period - 1e-6)
+                target = self.tick_at + ticks * self.period
+                mid = target - point > self.period / 4
                 delay = point - self.lead * self.period - now
             else:
-                point = next_tick(now, self.tick_at, self.period / WRITES_PER_TICK, self.written_for)
                 delay = point - TICK_LEAD * self.period - now
-            self.written_for = point
         if delay <= 0:
-            return target
+            return target, mid
         nap = self._nap = loop.create_future()
         timer = loop.call_later(delay, _wake, nap)
         try:
@@ -192,4 +200,4 @@ class WritePacer:
         finally:
             timer.cancel()
             self._nap = None
-        return target
+        return target, mid
