@@ -301,7 +301,7 @@ async def test_a_client_flooding_its_session_is_read_no_further_than_the_byte_bo
     # written, and the runner waits in the first one that goes through the mailbox; every post
     # beyond the bound waits.
     never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    link.submit = lambda subs: never  # type: ignore[method-assign,assignment]
+    link.submit = lambda subs, **_: never  # type: ignore[method-assign,assignment]
     posted = 0
     for seq in range(1, 11):
         big = session_pb2.ClientEvent(

@@ -714,7 +714,9 @@ async def test_an_append_retried_across_a_move_is_not_acked_in_the_new_epoch() -
             self.hold = False
             self.in_flight: list[asyncio.Future[None]] = []
 
-        def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
+        def submit(
+            self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False
+        ) -> asyncio.Future[None]:
             if not self.hold:
                 return super().submit(subs)
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -764,7 +766,9 @@ async def test_a_replay_that_was_not_written_is_not_answered_by_a_restart() -> N
             self.hung: asyncio.Future[None] | None = None
             self.written: list[worker_pb2.Submission] = []
 
-        def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
+        def submit(
+            self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False
+        ) -> asyncio.Future[None]:
             if self.hung is None:
                 self.hung = asyncio.get_running_loop().create_future()
                 self.subs.extend(subs)

@@ -85,7 +85,9 @@ async def test_an_append_is_handed_to_the_worker_in_the_posting_task_and_acked_o
     never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     class WritesLater(FakeLink):
-        def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
+        def submit(
+            self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False
+        ) -> asyncio.Future[None]:
             self.subs.extend(subs)
             return never
 
@@ -463,7 +465,9 @@ async def test_appends_arm_no_timer_each() -> None:
 
 async def test_a_submission_not_written_in_time_fails_worker_unavailable() -> None:
     class NeverWrites(FakeLink):
-        def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
+        def submit(
+            self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False
+        ) -> asyncio.Future[None]:
             self.subs.extend(subs)
             return asyncio.get_running_loop().create_future()  # a worker that stopped reading
 
