@@ -91,10 +91,13 @@ class ParrotLoop:
             "frames_per_s": steps * batch / wall,
         }
 
-    def reply_synthesis(self, frames: int, *, seconds: float, min_replies: int = 5) -> dict[str, float]:
+    def reply_synthesis(
+        self, frames: int, *, seconds: float, min_replies: int = 5, pace_s: float = 0.0
+    ) -> dict[str, float]:
         """CPU µs per reply frame of computing a reply to an utterance of ``frames`` frames, as
         ``ParrotModel.respond`` does on its helper threads: the pitch shift, then the encoding.
-        Its cost grows with the utterance, so it is per frame of reply."""
+        Its cost grows with the utterance, so it is per frame of reply. Back to back, or with
+        ``pace_s`` one reply per ``pace_s`` (idle between, as replies come in a served load)."""
         if frames <= 0:
             raise NoMeasurement("reply synthesis: no utterance to reply to")
         utterance = (self.rng.standard_normal(frames * FRAME) * 0.1).astype(np.float32)
@@ -104,6 +107,8 @@ class ParrotLoop:
         replies = 0
         c0, t0 = time.process_time(), time.perf_counter()
         while replies < min_replies or time.perf_counter() - t0 < seconds:
+            if pace_s:
+                time.sleep(max(0.0, t0 + replies * pace_s - time.perf_counter()))
             encode(parrot_reply(utterance, pitch), fmt)
             replies += 1
         cpu = time.process_time() - c0

@@ -351,6 +351,14 @@ def _issue21(sections: dict[str, Any]) -> dict[str, Any]:
         "model_paced_us_per_frame": _get(tiers, "model_paced_at_mean_batch", "cpu_us_per_frame"),
         "worker_serving_us_per_frame_streams": _get(tiers, "worker_serving_us_per_frame"),
         "worker_serving_us_per_frame_lanes": _get(lanes, "worker_serving_us_per_frame"),
+        # The overhead over the model as a frame clock runs it, from its plain loop: its step once
+        # a frame period and one reply per frame period, idle between (caches cold as served).
+        "model_as_served_us_per_frame_streams": _get(tiers, "model_as_served_us_per_frame"),
+        "model_as_served_us_per_frame_lanes": _get(lanes, "model_as_served_us_per_frame"),
+        "worker_overhead_as_served_us_per_frame_streams": _get(
+            tiers, "worker_overhead_as_served_us_per_frame"
+        ),
+        "worker_overhead_as_served_us_per_frame_lanes": _get(lanes, "worker_overhead_as_served_us_per_frame"),
         # The worker link: WorkerCommands per worker step (one per tick is the aim) and the share
         # written for a tick that came too late for it.
         "worker_commands_per_step_streams": _get(tiers, "link_commands", "per_step"),
@@ -764,6 +772,12 @@ def _tiers_md(
             f(_overhead(t) / whole if _overhead(t) is not None and whole else None, ".1f") + "x",
         ],
     ]
+    served, over = t.get("model_as_served_us_per_frame"), t.get("worker_overhead_as_served_us_per_frame")
+    if served is not None:
+        rows += [
+            ["model as served: its step and one reply per frame period, idle between", f(served, ".0f"), "—"],
+            ["worker overhead over the model as served", f(over, ".0f"), "—"],
+        ]
     add(
         f"The worker's mean batch is {t['mean_batch']:.1f} of the {t['sessions']} sessions with input "
         f"(every session streams continuously): **{t['mean_batch'] / t['sessions']:.2f}**"
@@ -975,6 +989,20 @@ def _in_place_note(row: dict[str, Any], paced: float | None) -> str:
     )
 
 
+def _as_served_note(latest: dict[str, Any], mode: str) -> str:
+    """The overhead over the model as a frame clock runs it (its plain loop, paced)."""
+    model, over = (
+        latest.get(f"{k}_{mode}")
+        for k in ("model_as_served_us_per_frame", "worker_overhead_as_served_us_per_frame")
+    )
+    if model is None or over is None:
+        return ""
+    return (
+        f"; the model as served (its plain loop with its step and one reply per frame period, idle "
+        f"between) costs {model:.0f} µs, and the worker {over:.0f} µs beyond that"
+    )
+
+
 def _commands_note(latest: dict[str, Any], mode: str) -> str:
     """The worker link's commands per worker step in that window (one a tick is the aim)."""
     per_step = latest.get(f"worker_commands_per_step_{mode}")
@@ -1040,6 +1068,7 @@ def _bounds_md(add: Any, latest: dict[str, Any]) -> None:
                 else ""
             )
             + _in_place_note(row, latest.get("model_paced_us_per_frame"))
+            + _as_served_note(latest, mode)
             + _commands_note(latest, mode)
             + "; the worker ceiling's null model (no session service, commands replayed) costs "
             f"{f(latest.get('worker_ceiling_us_per_frame_64'), '.1f')} µs per session-frame at 64 sessions."

@@ -29,7 +29,9 @@ machines. Each tier's CPU is also split into user space, kernel and context swit
 **Worker overhead**: the worker's CPU per session-frame minus the model's whole share (its step at
 the window's mean batch and its reply synthesis), for the main window and the lanes window (each
 at its own mean batch); **mean batch fraction**: the mean batch over the sessions with input (all
-of them: every session streams continuously). ``--compare-step-interval-ms T`` runs the load
+of them: every session streams continuously). **Against the model as served**: the same, with the
+model's step once a frame period and one reply per frame period (idle between, as a frame clock
+runs them) in place of back to back. ``--compare-step-interval-ms T`` runs the load
 against a worker on the free-running clock (``--clock free --step-interval-ms T``).
 """
 
@@ -176,15 +178,21 @@ def main(argv: list[str] | None = None) -> int:
             # The model's other share: each reply computed once per turn on its helper threads
             # (the load commits every `cycle` frames, so that is the utterance replied to).
             synthesis = loop.reply_synthesis(spec.cycle, seconds=0.5)
+            # ... and one reply per frame period: after idle, a reply costs more too.
+            synthesis_paced = loop.reply_synthesis(spec.cycle, seconds=1.0, pace_s=FRAME_MS / 1000)
             # The compared windows' model share at their own mean batch (the same measurement
             # where the batch is the same).
             measured = {b: model_at_mean, args.sessions: model_at_n}
+            paced = {b: model_paced}
             for other in (lanes, interval):
                 if other is not None:
                     ob = max(1, round(other["mean_batch"]))
                     if ob not in measured:
                         measured[ob] = loop.measure(ob, seconds=1.0)
+                    if ob not in paced:
+                        paced[ob] = loop.measure(ob, seconds=1.5, pace_s=FRAME_MS / 1000)
                     add_model_share(other, measured[ob], synthesis, args.sessions)
+                    add_model_as_served(other, paced[ob], synthesis_paced)
         # The transport's floor beside the model's: a bare grpc.aio echo at the client side's
         # message rate (one message in and one out per session-frame), after the stack stopped.
         echo = grpc_echo.measure(args.sessions, args.append_ms, seconds=min(5.0, args.seconds))
@@ -208,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_at_n": model_at_n,
         "model_paced_at_mean_batch": model_paced,
         "reply_synthesis": synthesis,
+        "reply_synthesis_paced": synthesis_paced,
         "model_reply_us_per_frame": synthesis["cpu_us_per_reply_frame"] * m["reply_frames"] / frames,
         "mean_batch_fraction": mean_batch / args.sessions,
         "grpc_echo": echo,
@@ -224,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     result["worker_overhead_us_per_frame"] = overhead(us["worker"], model_us + reply_us)
     in_place = result["model_in_place_us_per_frame"] = model_in_place(scraped, frames)
     result["worker_serving_us_per_frame"] = serving(us["worker"], in_place)
+    add_model_as_served(result, model_paced, synthesis_paced)
     print(
         f"  {frames:,.0f} session-frames in {m['window_s']:g} s ({frames / m['window_s']:,.0f}/s), "
         f"{result['reply_per_input']:.2f} reply frames per input frame, mean batch {mean_batch:.1f} "
@@ -274,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{model_paced['cpu_us_per_frame']:.0f}); what serving cost the worker beside the model: "
             f"{fmt(result['worker_serving_us_per_frame'], '.0f')} µs per session-frame"
         )
+    print(
+        f"  the model as served in a plain loop (its step and one reply per frame period, idle between): "
+        f"{result['model_as_served_us_per_frame']:.0f} µs per session-frame (replies "
+        f"{synthesis_paced['ms_per_reply']:.2f} ms each, against {synthesis['ms_per_reply']:.2f} "
+        "back to back); "
+        f"the worker's overhead over it {fmt(result['worker_overhead_as_served_us_per_frame'], '.0f')} µs"
+    )
     if us["session"] is not None and us["worker"] is not None:
         print(
             f"  ratios to the model at the same batch: session {us['session'] / model_us:.1f}x, "
@@ -323,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{lanes['model_whole_us_per_frame']:.0f} µs, worker overhead "
             f"{fmt(lanes['worker_overhead_us_per_frame'], '.0f')} µs per session-frame"
             + _serving_note(lanes)
+            + f"; over the model as served ({lanes['model_as_served_us_per_frame']:.0f} µs) "
+            + f"{fmt(lanes['worker_overhead_as_served_us_per_frame'], '.0f')}"
             + _commands_note(lanes["link_commands"])
             + _split_note(lanes["worker_split_us_per_frame"])
             + (
@@ -511,6 +530,19 @@ def add_model_share(
         worker_split_us_per_frame=worker_split(row.get("worker_detail_per_frame"), worker, whole),
         mean_batch_fraction=row["mean_batch"] / sessions,
     )
+
+
+def add_model_as_served(
+    row: dict[str, Any], step_paced: dict[str, Any], synthesis_paced: dict[str, Any]
+) -> None:
+    """A window's model share as a frame clock runs the model, from its plain loop: its step once
+    a frame period and its replies one per frame period (idle between each, so caches go cold as
+    they do in the worker); and the worker's overhead over that."""
+    whole = (
+        step_paced["cpu_us_per_frame"] + synthesis_paced["cpu_us_per_reply_frame"] * row["reply_per_input"]
+    )
+    row["model_as_served_us_per_frame"] = whole
+    row["worker_overhead_as_served_us_per_frame"] = overhead(row["cpu_us_per_frame"].get("worker"), whole)
 
 
 def _serving_note(row: dict[str, Any]) -> str:

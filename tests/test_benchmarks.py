@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,21 @@ def test_the_model_paced_at_a_frame_period_steps_once_per_period():
         paced = loop.measure(2, seconds=0.0, min_steps=5, pace_s=0.05)
     assert paced["steps"] == 5 and paced["ms_per_step"] >= 40.0  # four waits of 50 ms over five steps
     assert paced["cpu_us_per_frame"] > 0
+    # Replies the same way: one per period, idle between.
+    t0 = time.perf_counter()
+    replies = loop.reply_synthesis(2, seconds=0.0, min_replies=4, pace_s=0.05)
+    assert replies["replies"] == 4 and time.perf_counter() - t0 >= 0.15  # three waits of 50 ms
+    assert replies["cpu_us_per_reply_frame"] > 0
+
+
+def test_the_overhead_over_the_model_as_served_counts_its_paced_step_and_replies():
+    row = {"reply_per_input": 0.5, "cpu_us_per_frame": {"worker": 300.0}}
+    tiers.add_model_as_served(row, {"cpu_us_per_frame": 60.0}, {"cpu_us_per_reply_frame": 80.0})
+    assert row["model_as_served_us_per_frame"] == pytest.approx(100.0)  # 60 + 80 x 0.5
+    assert row["worker_overhead_as_served_us_per_frame"] == pytest.approx(200.0)
+    row = {"reply_per_input": 0.5, "cpu_us_per_frame": {"worker": None}}
+    tiers.add_model_as_served(row, {"cpu_us_per_frame": 60.0}, {"cpu_us_per_reply_frame": 80.0})
+    assert row["worker_overhead_as_served_us_per_frame"] is None  # no worker CPU, no figure
 
 
 def test_grpc_echo_floor_is_per_message_pair_and_refuses_an_empty_window():
@@ -549,6 +565,8 @@ def _sections():
                 "worker_overhead_us_per_frame": 625.0,
                 "model_in_place_us_per_frame": {"step": 95.0, "helpers": 40.0},
                 "worker_serving_us_per_frame": 565.0,
+                "model_as_served_us_per_frame": 120.0,
+                "worker_overhead_as_served_us_per_frame": 580.0,
                 "link_commands": {"per_step": 1.02, "missed_fraction": 0.011},
                 "cpu_us_per_frame": {"session": 280.0, "worker": 700.0, "generator": 90.0},
                 "ack_p99_ms": 15.5,
@@ -688,6 +706,10 @@ def test_frame_clock_figures_mean_batch_overhead_ceiling_capacity_floor():
     assert h["worker_overhead_us_per_frame_streams"] == pytest.approx(1000.0 - 400.0 - 100.0)
     assert h["worker_overhead_us_per_frame_lanes"] == 625.0
     assert h["model_whole_us_per_frame_lanes"] == 75.0
+    # ... and over the model as a frame clock runs it (paced plain loop), where the window has one.
+    assert h["model_as_served_us_per_frame_lanes"] == 120.0
+    assert h["worker_overhead_as_served_us_per_frame_lanes"] == 580.0
+    assert h["worker_overhead_as_served_us_per_frame_streams"] is None  # the streams window has none
     assert h["worker_ceiling_sessions"] == 256 and h["worker_ceiling_first_behind"] == 320
     assert h["worker_ceiling_is_lower_bound"] is False
     assert h["worker_ceiling_us_per_frame_64"] == 28.5 and h["worker_ceiling_us_per_frame_1024"] == 22.8
