@@ -51,15 +51,16 @@ class ClientEvents(Failover):
     _busy: bool
     """The runner's task is inside an item (it may be awaiting in it)."""
 
-    async def _dispatch(self, ev: session_pb2.ClientEvent, received: float) -> None:
+    async def _dispatch(self, ev: session_pb2.ClientEvent, received: float, size: int) -> None:
+        """Handle one client event from the mailbox (``size``: its ``ByteSize()``)."""
         kind = ev.WhichOneof("event")
         EVENTS_IN[kind or "none"].inc()
         match kind:
             case "append":
                 link = self.link
-                if link is not None and self._append_pipelined(ev):
+                if link is not None and self._append_pipelined(ev, size):
                     # Not awaiting its write: the next append finds the runner idle.
-                    self._append_now(ev.append, received, link, ev.event_id, ev.ByteSize())
+                    self._append_now(ev.append, received, link, ev.event_id, size)
                 else:
                     await self._on_append(ev.append, received)
             case "commit":
@@ -90,13 +91,13 @@ class ClientEvents(Failover):
             case _:
                 raise BadEventError(ErrorCode.INVALID_EVENT, "empty or unreadable client event")
 
-    def _joins_earlier_writes(self, ev: session_pb2.ClientEvent) -> bool:
+    def _joins_earlier_writes(self, ev: session_pb2.ClientEvent, size: int) -> bool:
         """Whether the runner hands this event to the link without first waiting for the writes
         of earlier appends: an append applied at once (``_append_pipelined``), and a commit or a
         clear, which so joins those appends' command rather than waiting for the next (their
         handlers wait for the appends' answers before answering; see ``_answer_error``)."""
         kind = ev.WhichOneof("event")
-        return kind in ("commit", "clear") or (kind == "append" and self._append_pipelined(ev))
+        return kind in ("commit", "clear") or (kind == "append" and self._append_pipelined(ev, size))
 
     def _answer_error(self, err: DuplexError, event_id: str, after_appends: bool) -> None:
         """Answer an event's failure; ``after_appends``: once earlier appends are answered."""
@@ -105,7 +106,7 @@ class ClientEvents(Failover):
         else:
             self._error(err, event_id)
 
-    def _append_pipelined(self, ev: session_pb2.ClientEvent) -> bool:
+    def _append_pipelined(self, ev: session_pb2.ClientEvent, size: int) -> bool:
         """Whether the runner applies this event, an append, without awaiting its write or the
         writes of earlier appends (its ack is ordered after theirs all the same): the session's
         link is healthy and the append's bytes fit the mailbox's bound. Appends queued behind a
@@ -116,7 +117,7 @@ class ClientEvents(Failover):
             ev.WhichOneof("event") == "append"
             and link is not None
             and link.healthy
-            and self._mailbox.has_room(ev.ByteSize())
+            and self._mailbox.has_room(size)
         )
 
     async def _on_append(self, ap: session_pb2.InputAudioAppend, received: float) -> None:

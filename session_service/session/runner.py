@@ -74,10 +74,12 @@ DEADLINE_RELOOK_S = 0.05
 
 @dataclass(slots=True)
 class _Inbound:
-    """A client event, with when it was received."""
+    """A client event, with when it was received and its size (computed once: the mailbox's
+    bound and the append's checks all read it)."""
 
     event: session_pb2.ClientEvent
     received: float
+    size: int
 
 
 @dataclass(slots=True)
@@ -185,7 +187,7 @@ class SessionRunner(ClientEvents):
         size = event.ByteSize()
         if self._append_at_once(event, received, size):
             return
-        item = _Inbound(event, received)
+        item = _Inbound(event, received, size)
         if not self._mailbox.put_nowait(item, size):
             await self._mailbox.put(item, size)
 
@@ -282,7 +284,7 @@ class SessionRunner(ClientEvents):
                 self._busy = True
                 # An event that joins earlier appends' command goes to the link before their
                 # writes are done; its answers still come after theirs (``_answers``).
-                joins = isinstance(item, _Inbound) and self._joins_earlier_writes(item.event)
+                joins = isinstance(item, _Inbound) and self._joins_earlier_writes(item.event, item.size)
                 try:
                     if not joins:
                         await self._answers.settled()  # appends applied at once come first
@@ -291,7 +293,7 @@ class SessionRunner(ClientEvents):
                     elif isinstance(item, _Recover):
                         await self._recover()
                     else:
-                        await self._dispatch(item.event, item.received)
+                        await self._dispatch(item.event, item.received, item.size)
                 except DuplexError as err:
                     self._answer_error(err, event_id, joins)
                 except asyncio.CancelledError:
