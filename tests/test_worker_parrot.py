@@ -129,6 +129,19 @@ def test_parrot_reply_keeps_duration_and_shifts_pitch() -> None:
         assert len(parrot_reply(np.ones(n, np.float32) * 0.1, -3.0)) == n
 
 
+@pytest.mark.parametrize("hz", [200.0, 437.0, 1333.0])
+def test_parrot_reply_of_a_steady_tone_is_steady(hz: float) -> None:
+    # The phase vocoder keeps each bin's phase coherent from frame to frame (its deviation
+    # wrapped to one turn): then the overlapping frames add up to the tone's own level. A phase
+    # off by whole turns per frame makes them cancel in part, and the level wobbles.
+    t = np.arange(16000) / 16000.0
+    tone = (0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+    out = parrot_reply(tone, 4.0)
+    level = float(np.sqrt(np.mean(tone**2)))
+    windows = np.sqrt(np.mean(out[2000:14000].reshape(-1, 400) ** 2, axis=1))  # 25 ms each
+    assert np.all(np.abs(windows - level) < 0.05 * level), (windows.min(), windows.max(), level)
+
+
 def test_options_are_validated(model: ParrotModel) -> None:
     opts = model.parse_options({"silence_ms": 300.0, "auto_commit": False})
     assert opts.silence_ms == 300.0 and not opts.auto_commit and opts.pitch_semitones == 4.0

@@ -44,6 +44,8 @@ MAX_UTTERANCE_S = 15.0
 """Longest committed utterance: longer input keeps its last 15 s."""
 _NEG_MARGIN = 0.15
 """Silero's hysteresis: speech ends when the probability drops below threshold - 0.15."""
+_TURN = np.float32(2.0 * np.pi)
+"""One turn of phase, in radians."""
 _OPTION_KEYS = frozenset({"silence_ms", "auto_commit", "pitch_semitones", "threshold"})
 
 
@@ -105,13 +107,15 @@ def _stretch(y: FloatArray, n: int, win: int = 1024, overlap: int = 4) -> FloatA
     phase = np.angle(spec).astype(np.float32)
     step = np.maximum(np.diff(starts), 1).astype(np.float32)[:, None]
     dev = phase[1:] - phase[:-1] - omega * step
-    dev = (dev + np.float32(np.pi)) % np.float32(2.0 * np.pi) - np.float32(np.pi)
+    # Wrapped to [-pi, pi] by the nearest whole turn: a multiply and a round, where the float
+    # remainder (``%``) costs about twenty times as much.
+    dev -= _TURN * np.rint(dev * (1.0 / _TURN))
     inst_freq = omega + dev / step  # true frequency of each bin, radians per sample
     # Accumulated in float64: thousands of frames of phase would lose precision in float32.
     synth_phase = np.concatenate(
         [phase[:1], phase[:1] + np.cumsum(inst_freq * hop, axis=0, dtype=np.float64)]
     )
-    synth_phase = np.mod(synth_phase, 2.0 * np.pi).astype(np.float32)
+    synth_phase = (synth_phase - 2.0 * np.pi * np.floor(synth_phase * (0.5 / np.pi))).astype(np.float32)
     mag = np.abs(spec)
     rebuilt = (mag * np.cos(synth_phase)) + 1j * (mag * np.sin(synth_phase))
     frames = np.fft.irfft(rebuilt.astype(np.complex64), n=win, axis=1).astype(np.float32)
