@@ -111,10 +111,14 @@ def _stretch(y: FloatArray, n: int, win: int = 1024, overlap: int = 4) -> FloatA
     # remainder (``%``) costs about twenty times as much.
     dev -= _TURN * np.rint(dev * (1.0 / _TURN))
     inst_freq = omega + dev / step  # true frequency of each bin, radians per sample
-    # Accumulated in float64: thousands of frames of phase would lose precision in float32.
-    synth_phase = np.concatenate(
-        [phase[:1], phase[:1] + np.cumsum(inst_freq * hop, axis=0, dtype=np.float64)]
-    )
+    # Accumulated in float64: thousands of frames of phase would lose precision in float32. A
+    # row at a time (each row one vector add): ``np.cumsum`` down the frames axis strides across
+    # rows and costs several times as much, for the same sums in the same order.
+    synth_phase = np.empty((k, win // 2 + 1), dtype=np.float64)
+    synth_phase[0] = phase[0]
+    synth_phase[1:] = inst_freq * hop
+    for j in range(1, k):
+        synth_phase[j] += synth_phase[j - 1]
     synth_phase = (synth_phase - 2.0 * np.pi * np.floor(synth_phase * (0.5 / np.pi))).astype(np.float32)
     mag = np.abs(spec)
     rebuilt = (mag * np.cos(synth_phase)) + 1j * (mag * np.sin(synth_phase))
