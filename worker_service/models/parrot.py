@@ -79,7 +79,7 @@ def parrot_reply(utterance: np.ndarray, pitch_semitones: float) -> FloatArray:
 
     Resample by ``2**(s/12)`` (pitch and tempo change together), then phase-vocoder
     time-stretch back to the original length (tempo restored, pitch kept). Pure, deterministic,
-    vectorized (FFTs over all frames at once, the phase accumulation is a cumulative sum).
+    vectorized (FFTs over all frames at once; the phase accumulates a frame's row of bins at a time).
     """
     x = np.asarray(utterance, dtype=np.float32).reshape(-1)
     n = len(x)
@@ -113,7 +113,7 @@ def _stretch(y: FloatArray, n: int, win: int = 1024, overlap: int = 4) -> FloatA
     inst_freq = omega + dev / step  # true frequency of each bin, radians per sample
     # Accumulated in float64: thousands of frames of phase would lose precision in float32. A
     # row at a time (each row one vector add): ``np.cumsum`` down the frames axis strides across
-    # rows and costs several times as much, for the same sums in the same order.
+    # rows and costs several times as much for the same running sums.
     synth_phase = np.empty((k, win // 2 + 1), dtype=np.float64)
     synth_phase[0] = phase[0]
     synth_phase[1:] = inst_freq * hop
