@@ -58,7 +58,7 @@ class ClientEvents(Failover):
         match kind:
             case "append":
                 link = self.link
-                if link is not None and self._append_pipelined(ev, size):
+                if link is not None and self._append_pipelined(size):
                     # Not awaiting its write: the next append finds the runner idle.
                     self._append_now(ev.append, received, link, ev.event_id, size)
                 else:
@@ -97,7 +97,7 @@ class ClientEvents(Failover):
         clear, which so joins those appends' command rather than waiting for the next (their
         handlers wait for the appends' answers before answering; see ``_answer_error``)."""
         kind = ev.WhichOneof("event")
-        return kind in ("commit", "clear") or (kind == "append" and self._append_pipelined(ev, size))
+        return kind in ("commit", "clear") or (kind == "append" and self._append_pipelined(size))
 
     def _answer_error(self, err: DuplexError, event_id: str, after_appends: bool) -> None:
         """Answer an event's failure; ``after_appends``: once earlier appends are answered."""
@@ -106,19 +106,15 @@ class ClientEvents(Failover):
         else:
             self._error(err, event_id)
 
-    def _append_pipelined(self, ev: session_pb2.ClientEvent, size: int) -> bool:
-        """Whether the runner applies this event, an append, without awaiting its write or the
-        writes of earlier appends (its ack is ordered after theirs all the same): the session's
-        link is healthy and the append's bytes fit the mailbox's bound. Appends queued behind a
-        control event then go out together, in the worker's next command, not one per command
-        (one per worker tick, where the link writes once a tick)."""
+    def _append_pipelined(self, size: int) -> bool:
+        """Whether the runner applies an append of ``size`` bytes (the caller knows the event is
+        one) without awaiting its write or the writes of earlier appends (its ack is ordered
+        after theirs all the same): the session's link is healthy and the append's bytes fit the
+        mailbox's bound. Appends queued behind a control event then go out together, in the
+        worker's next command, not one per command (one per worker tick, where the link writes
+        once a tick)."""
         link = self.link
-        return (
-            ev.WhichOneof("event") == "append"
-            and link is not None
-            and link.healthy
-            and self._mailbox.has_room(size)
-        )
+        return link is not None and link.healthy and self._mailbox.has_room(size)
 
     async def _on_append(self, ap: session_pb2.InputAudioAppend, received: float) -> None:
         pcm = ap.pcm  # read once: each read of a bytes field copies it
@@ -211,7 +207,7 @@ class ClientEvents(Failover):
             request_id=self.session_id, fence=fence, seq=wseq, frames=frames, params=params
         )
         try:
-            written = link.submit(subs, prompt=not self.emitter.acks_on_output)
+            written = self._hand_on(link, subs)
             if written.done() and (written.cancelled() or written.exception() is not None):
                 written.result()  # refused at once: failed here, as _on_append fails it
         except BaseException as exc:
@@ -360,7 +356,7 @@ class ClientEvents(Failover):
                     request_id=self.session_id, fence=fence, kind=COMMIT, params=None if subs else params
                 )
             )
-            written = link.submit(subs, prompt=not self.emitter.acks_on_output)
+            written = self._hand_on(link, subs)
             if written.done() and (written.cancelled() or written.exception() is not None):
                 written.result()  # refused at once: failed here, as an awaited write would fail
         except BaseException as exc:

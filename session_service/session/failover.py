@@ -38,10 +38,16 @@ class Failover(SessionState):
     _submit_wait: tuple[asyncio.Future[None], float] | None
     """The submission the runner awaits the write of, and when it is overdue."""
 
+    def _hand_on(self, link: WorkerHandle, subs: Sequence[worker_pb2.Submission]) -> asyncio.Future[None]:
+        """Queue submissions on the link; the future resolves once they are written. A client
+        that takes its acks once the input is written (not carried on output) waits for that
+        write, so the link writes them at its next write point (``prompt``)."""
+        return link.submit(subs, prompt=not self.emitter.acks_on_output)
+
     async def _submit(self, link: WorkerHandle, subs: Sequence[worker_pb2.Submission]) -> None:
         """Hand submissions to the link and wait until they are written; one not written in
         ``submit_timeout_s`` fails (``_watch_deadlines`` fails it: no timer per submission)."""
-        written = link.submit(subs, prompt=not self.emitter.acks_on_output)
+        written = self._hand_on(link, subs)
         self._submit_wait = (written, self._clock.now() + self._cfg.submit_timeout_s)
         try:
             await written
