@@ -1039,3 +1039,33 @@ async def test_a_stream_that_stops_reading_carried_acks_gets_the_latest_one_agai
     assert ("input_ack", 2, 1) in carried(evs), carried(evs)
     await _hand_on(r, range(3, 4))
     assert carried(drain(r)) == [("input_ack", 3, 1)]
+
+
+class _PromptLink(FakeLink):
+    """Records the ``prompt`` flag of each submission it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompts: list[tuple[int, bool]] = []
+
+    def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
+        self.prompts.extend((s.kind, prompt) for s in subs)
+        return super().submit(subs)
+
+
+@pytest.mark.parametrize("acks_on_output", [False, True])
+async def test_input_is_written_promptly_only_for_a_client_that_takes_its_acks_once_written(
+    acks_on_output: bool,
+) -> None:
+    # A client reading plain input_acks hears of an append once it is written: the link is to
+    # write it at its next write point. One reading acks carried on output hears of it only once
+    # the model consumed it: its input waits for the tick's one command.
+    link = _PromptLink()
+    r = make_runner(link)
+    r.attach_stream(acks_on_output=acks_on_output)
+    await _hand_on(r, range(1, 3))
+    await r.post(session_pb2.ClientEvent(commit=session_pb2.InputAudioCommit()))
+    await settle()
+    kinds_sent = {kind for kind, _ in link.prompts}
+    assert {worker_pb2.SUBMISSION_KIND_APPEND, worker_pb2.SUBMISSION_KIND_COMMIT} <= kinds_sent
+    assert all(prompt is not acks_on_output for _, prompt in link.prompts), link.prompts
