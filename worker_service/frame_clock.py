@@ -22,7 +22,7 @@ from worker_service.step_outputs import Request
 
 #: Frame clock: most extra steps in one tick for requests more than one frame behind (so a
 #: client sending up to this many times faster than real time is still consumed as it sends).
-CATCH_UP_STEPS: Final = 8
+CATCH_UP_STEPS: Final = 64
 #: Frame clock: catching up stops once the tick has used this share of its frame period (the
 #: next tick must start on time for everyone).
 CATCH_UP_BUDGET: Final = 0.5
