@@ -309,6 +309,12 @@ async def _follow(
                 status = _STATUS.get(done.status, str(done.status))
                 reason = done.reason
                 detail = f"{status}{' (' + reason + ')' if reason else ''}, {done.audio_ms} ms of audio sent"
+                if done.restarting:
+                    # Its worker was lost: the whole reply comes again as the next response.
+                    tl.add("response done", f"{detail}; the reply restarts on another worker")
+                    response_id, status, reason = "", "", ""
+                    reply.clear()
+                    continue
                 tl.add("response done", detail, key="done")
                 if barge is None or (barge.done() and done.status != session_pb2.RESPONSE_STATUS_COMPLETED):
                     break

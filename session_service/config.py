@@ -52,6 +52,16 @@ class RunnerConfig:
     """When the model can be replayed (``DuplexModelPlugin.replayable``): keep the current
     turn's input so that a worker lost mid-turn costs the user nothing (``session_service.session.replay``);
     off, a lost worker fails the turn."""
+    restart_timeout_s: float = 3.0
+    """A response restarted on another worker after its worker was lost must send its first audio
+    within this long of its ``response_started`` (the replay of the turn's input, then the model's
+    own latency), or it ends ``response_done{FAILED, worker_unavailable}``: a caller waits a
+    bounded time, never on silence (looked at about once a second: it fails within a second
+    after)."""
+
+    def __post_init__(self) -> None:
+        if not self.restart_timeout_s > 0:
+            raise ValueError("restart_timeout_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

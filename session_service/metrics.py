@@ -116,6 +116,11 @@ RESTARTED_RESPONSES: Final = Counter(
     "lost), resumed (the replica streaming it was lost and the session resumed here).",
     ["cause"],
 )
+RESTARTS_TIMED_OUT: Final = Counter(
+    "duplex_session_restarts_timed_out",
+    "Restarted responses that sent no audio within --restart-timeout-s of their start and ended "
+    "response_done{FAILED, worker_unavailable} (the new worker did not bring the reply back in time).",
+)
 EVICTIONS: Final = Counter(
     "duplex_session_evictions",
     "Sessions a resume moved off the worker their token named, which that worker was told to drop "

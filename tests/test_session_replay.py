@@ -131,18 +131,20 @@ def test_cleared_drops_only_the_input_after_the_last_marker() -> None:
     assert items(log) == ["c1@1", "M"]
 
 
-def test_new_epoch_drops_older_input_the_worker_had_not_consumed() -> None:
+def test_a_cancels_new_epoch_keeps_the_input_under_it() -> None:
     log = ReplayLog(max_bytes=1 << 20)
     for seq in (1, 2, 3):
         log.appended(frames(seq), epoch=1, seq=seq)
     log.consumed(epoch=1, seq=1)
     marker = log.committed()
-    log.appended(frames(9), epoch=2, seq=1)
     log.new_epoch(2)
-    # The consumed chunk is in the worker's model state: kept; so is the commit point and the
-    # new epoch's input. The unconsumed older input is dropped by the worker too.
-    assert items(log) == ["c1@1rc", "M", "c1@2"] and log.size == 2 * len(FRAME)
+    log.appended(frames(9), epoch=2, seq=4)
+    # The worker keeps the input it had not consumed and takes it under the new epoch, seqs
+    # unchanged (``Abort.keep_input``): so does the log, and the worker's report of it counts.
+    assert items(log) == ["c1@2rc", "c2@2", "c3@2", "M", "c4@2"] and log.size == 4 * len(FRAME)
     assert log.last_marker() is marker
+    log.consumed(epoch=2, seq=3)
+    assert items(log) == ["c1@2rc", "c2@2rc", "c3@2rc", "M", "c4@2"]
 
 
 def test_the_log_is_bounded_in_two_parts_and_says_when_it_was_trimmed() -> None:
@@ -333,6 +335,7 @@ async def test_a_worker_lost_mid_response_replays_the_turn_and_restarts_it() -> 
         assert kinds(evs) == ["response_done", "response_started"], evs
         done, started = evs[0].response_done, evs[1].response_started
         assert (done.response_id, done.status, done.reason) == (first_id, FAILED, "worker_unavailable")
+        assert done.restarting  # the client waits for the restarted response's own end
         assert done.resume_token
         assert started.turn_id == 1 and started.response_id not in ("", first_id)
         assert started.epoch == 1
@@ -375,6 +378,7 @@ async def test_a_worker_lost_mid_response_replays_the_turn_and_restarts_it() -> 
             COMPLETED,
             started.response_id,
         )
+        assert not evs[0].response_done.restarting
         assert items(r.replay) == [f"c{seqs[1]}@1rc", f"c{seqs[2]}@1rc"]
         assert r.replay.size == 2 * len(FRAME)
     finally:
@@ -463,8 +467,8 @@ async def test_a_higher_epoch_on_the_new_worker_is_told_as_worker_moved() -> Non
         cancelled = evs[1].audio_cancelled
         assert (cancelled.cancelled_epoch, cancelled.epoch, cancelled.reason) == (1, 4, "worker_moved")
         assert evs[2].response_started.epoch == 4 and evs[2].response_started.turn_id == 1
-        # The replay is written in the new epoch, its seqs from 1.
-        assert [(s.fence.epoch, s.seq) for s in new.subs] == [(4, 0), (4, 1), (4, 0), (4, 2), (4, 0)]
+        # The replay is written in the new epoch, its seqs going on from the old worker's.
+        assert [(s.fence.epoch, s.seq) for s in new.subs] == [(4, 0), (4, 4), (4, 0), (4, 5), (4, 0)]
         # The client restarts its numbering at 1, as after any audio_cancelled.
         await r.post(append(1, frames(4)))
         await settle()
@@ -489,13 +493,13 @@ async def test_a_barge_in_before_the_restart_keeps_the_response_cancelled() -> N
         assert kinds(evs) == ["response_done", "audio_cancelled"], kinds(evs)
         assert evs[0].response_done.status == FAILED
         assert (evs[1].audio_cancelled.reason, evs[1].audio_cancelled.epoch) == ("barge_in", 2)
-        # The answered input went; the unconsumed input of the old epoch went (the worker would
-        # have dropped it); no RESPOND anywhere.
+        # The answered input went; what the user said during the reply (the barge-in's own
+        # speech, not yet consumed) is kept under the new epoch and replayed, news and all; no
+        # RESPOND anywhere.
         assert RESPOND not in new.kinds()
         assert r.response is None
-        assert all(s.kind == APPEND for s in new.subs)
+        assert view(new.subs) == [("CLEAR", False, b""), ("APPEND", False, frames(3))]
         assert [s.fence.epoch for s in new.subs] == [2] * len(new.subs)
-        assert b"".join(s.pcm for s in new.subs) == b""
     finally:
         r.close("test")
         await r.wait_closed()
@@ -523,12 +527,67 @@ async def test_a_barge_in_during_the_restarted_response_ends_the_turn_for_good()
         assert drain(r) == []
         # The answered input is gone: another loss replays only what came after the commit,
         # and restarts nothing.
-        assert items(r.replay) == [f"c{seqs[-1]}@1rc"]
+        assert items(r.replay) == [f"c{seqs[-1]}@2rc"]
         lose(r, second)
         await settle()
         assert drain(r) == []
         assert view(third.subs) == [("CLEAR", False, b""), ("APPEND", True, frames(3))]
         assert third.subs[0].fence.epoch == 2
+    finally:
+        r.close("test")
+        await r.wait_closed()
+
+
+async def test_a_restart_that_brings_no_audio_in_time_fails_its_turn() -> None:
+    """The caller's patience is bounded: a restarted response that sent no audio within
+    ``restart_timeout_s`` of its start ends ``FAILED/worker_unavailable`` for good (not
+    ``restarting``), and audio of it the worker sends later is not delivered."""
+    clock = ManualClock()
+    old, new = FakeLink(), FakeLink()
+    r = make_runner(old, Placer(new), clock=clock, restart_timeout_s=2.0)
+    try:
+        await explicit_turn(r, old)
+        lose(r, old)
+        await settle()
+        evs = drain(r)
+        assert kinds(evs) == ["response_done", "response_started"]
+        assert evs[0].response_done.restarting
+        restarted = evs[1].response_started
+        await clock.advance(1.5, step=0.05)
+        await settle()
+        assert drain(r) == []  # within its time
+        await clock.advance(1.5, step=0.05)
+        await settle()
+        evs = drain(r)
+        assert kinds(evs) == ["response_done"], kinds(evs)
+        done = evs[0].response_done
+        assert (done.response_id, done.status, done.reason) == (
+            restarted.response_id,
+            FAILED,
+            "worker_unavailable",
+        )
+        assert not done.restarting and r.response is None and not r.closed
+        r.on_output(Fence(SID, 1, 1).to_proto(), common_pb2.AudioPayload(pcm=FRAME), [])
+        assert drain(r) == []
+    finally:
+        r.close("test")
+        await r.wait_closed()
+
+
+async def test_a_restart_that_sends_audio_in_time_is_not_failed() -> None:
+    clock = ManualClock()
+    old, new = FakeLink(), FakeLink()
+    r = make_runner(old, Placer(new), clock=clock, restart_timeout_s=2.0)
+    try:
+        await explicit_turn(r, old)
+        lose(r, old)
+        await settle()
+        drain(r)
+        await clock.advance(1.0, step=0.05)
+        r.on_output(Fence(SID, 1, 1).to_proto(), common_pb2.AudioPayload(pcm=FRAME), [])
+        await clock.advance(3.0, step=0.05)
+        await settle()
+        assert kinds(drain(r)) == ["audio_delta"] and r.response is not None
     finally:
         r.close("test")
         await r.wait_closed()

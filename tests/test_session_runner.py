@@ -289,6 +289,53 @@ async def test_vad_speech_during_response_barges_in() -> None:
     assert evs[2].speech_started.audio_ms == 1000
 
 
+async def test_a_barge_in_keeps_hearing_the_speech_that_caused_it() -> None:
+    """The step that heard the user over the reply was followed, before the cancel reached the
+    worker, by more of the same input: its news (the speech's end, the turn the model ended)
+    comes stepped under the epoch the barge-in left and still counts, so the user's turn is
+    answered; nothing of the reply of that epoch (its audio, text or end) does."""
+    link = FakeLink()
+    r = make_runner(link)
+    await start_response(r)
+    vad = worker_pb2.VadEvent
+    r.on_output(None, None, [step_update(1, 1, vad=[vad(kind=vad.KIND_SPEECH_STARTED, sample_offset=16000)])])
+    assert kinds(drain(r)) == [
+        "committed",
+        "response_started",
+        "speech_started",
+        "audio_cancelled",
+        "response_done",
+    ]
+    assert r.epoch == 2 and [a.keep_input for a in link.aborts] == [True]
+    # Later steps of the old epoch: the reply's last frame, its end and text, and the speech's end.
+    r.on_output(
+        Fence(SID, 1, 1).to_proto(),
+        common_pb2.AudioPayload(pcm=FRAME),
+        [step_update(1, 1, text="no", response_finished=True)],
+    )
+    assert drain(r) == []
+    r.on_output(
+        None,
+        None,
+        [
+            step_update(
+                1,
+                1,
+                vad=[vad(kind=vad.KIND_SPEECH_STOPPED, sample_offset=32000)],
+                turn_ended=True,
+                committed_samples=16000,
+            )
+        ],
+    )
+    evs = drain(r)
+    assert kinds(evs) == ["speech_stopped", "committed", "response_started"]
+    assert evs[1].committed.audio_ms == 1000 and evs[2].response_started.turn_id == 2
+    assert evs[2].response_started.epoch == 2
+    # News of an epoch from before the session's placement still counts for nothing.
+    r.on_output(None, None, [step_update(0, 1, vad=[vad(kind=vad.KIND_SPEECH_STARTED, sample_offset=0)])])
+    assert drain(r) == []
+
+
 async def test_speech_in_input_queued_before_the_response_does_not_barge_in() -> None:
     """A fast client commits while the worker still hears its pre-commit audio: that speech
     carries the old turn's fence and is the turn being answered, not an interruption."""
@@ -685,7 +732,10 @@ async def test_acks_are_held_while_the_worker_is_behind_and_released_as_it_consu
     assert acks(drain(r)) == [(8, 1)] and len(link.subs) == 7
 
 
-async def test_cancel_releases_held_acks_and_worker_seqs_restart_with_the_epoch() -> None:
+async def test_cancel_keeps_the_input_the_worker_holds_and_its_held_acks_wait_for_it() -> None:
+    """A cancel aborts the reply, not the input (``Abort.keep_input``): what the worker had not
+    consumed is consumed under the new epoch, so the acks held for it wait for that, and worker
+    seqs go on."""
     link = FakeLink()
     r = make_runner(link, **HOLD)
     await _hand_on(r, range(1, 6))
@@ -693,41 +743,50 @@ async def test_cancel_releases_held_acks_and_worker_seqs_restart_with_the_epoch(
     await r.post(session_pb2.ClientEvent(barge_in=session_pb2.BargeIn()))
     await settle()
     evs = drain(r)
-    # The held acks (old epoch) go out before audio_cancelled; nothing of epoch 1 is awaited.
-    assert kinds(evs) == ["input_ack", "audio_cancelled"]
-    assert acks(evs) == [(5, 1)] and r.unconsumed_frames == 0
-    # A late consumption report of the old epoch counts for nothing in the new one.
-    r.on_output(None, None, [step_update(1, 0, input_seq=5)])
+    assert kinds(evs) == ["audio_cancelled"]
+    assert [(a.fence.epoch, a.keep_input) for a in link.aborts] == [(2, True)]
+    assert r.unconsumed_frames == 5
     await _hand_on(r, range(1, 6))
-    assert [s.seq for s in link.subs[-5:]] == [1, 2, 3, 4, 5]
+    assert [s.seq for s in link.subs[-5:]] == [6, 7, 8, 9, 10]
     assert all(s.fence.epoch == 2 for s in link.subs[-5:])
-    assert acks(drain(r)) == [(1, 2), (2, 2), (3, 2)]
-    r.on_output(None, None, [step_update(2, 0, input_seq=2)])
-    assert acks(drain(r)) == [(5, 2)]
+    assert acks(drain(r)) == []  # behind the held acks of epoch 1
+    # The worker goes on consuming the kept input, its report stepped under the old epoch or the
+    # new: the held acks go out, in order, once it is within the bound again.
+    r.on_output(None, None, [step_update(1, 0, input_seq=5)])
+    assert acks(drain(r)) == []
+    r.on_output(None, None, [step_update(2, 0, input_seq=8)])
+    assert acks(drain(r)) == [(5, 1), (5, 2)]
 
 
-async def test_an_ack_from_a_step_in_columns_counts_only_in_its_epoch() -> None:
+async def test_an_ack_from_a_step_in_columns_counts_from_the_epoch_its_input_was_placed_in() -> None:
     from session_service.session.worker_output import ColumnFence
 
     link = FakeLink()
     r = make_runner(link, **HOLD)
     await _hand_on(r, range(1, 6))
     assert acks(drain(r)) == [(1, 1), (2, 1), (3, 1)]
-    r.on_output(ColumnFence(SID, 1, 0), None, [], 3)
+    r.on_output(ColumnFence(SID, 1, 0), None, [], 5)
     assert acks(drain(r)) == [(5, 1)]  # the held acks go out once the worker caught up
     await r.post(session_pb2.ClientEvent(barge_in=session_pb2.BargeIn()))
     await settle()
     drain(r)
     await _hand_on(r, range(1, 6))
     assert acks(drain(r)) == [(1, 2), (2, 2), (3, 2)]
-    # A late ack of the epoch the session left releases nothing and is counted as dropped.
+    # An ack stepped under the epoch a cancel left counts (the cancel kept the input; worker
+    # seqs went on: 6..10 in epoch 2).
+    r.on_output(ColumnFence(SID, 1, 0), None, [], 7)
+    assert acks(drain(r)) == [(5, 2)]
+    # One of an epoch from before the session's placement (epoch 1 here) releases nothing and
+    # is counted as dropped.
+    await _hand_on(r, range(6, 9))
+    assert acks(drain(r)) == []
     stale = {"reason": "stale_epoch"}
     before = sample("duplex_session_dropped_outputs_total", stale)
-    r.on_output(ColumnFence(SID, 1, 0), None, [], 5)
+    r.on_output(ColumnFence(SID, 0, 0), None, [], 13)
     assert acks(drain(r)) == []
     assert sample("duplex_session_dropped_outputs_total", stale) == before + 1
-    r.on_output(ColumnFence(SID, 2, 0), None, [], 2)
-    assert acks(drain(r)) == [(5, 2)]
+    r.on_output(ColumnFence(SID, 2, 0), None, [], 13)
+    assert acks(drain(r)) == [(8, 2)]
 
 
 async def test_appends_in_the_old_numbering_are_acked_in_the_epoch_they_belong_to() -> None:
@@ -744,8 +803,8 @@ async def test_appends_in_the_old_numbering_are_acked_in_the_epoch_they_belong_t
     await _hand_on(r, range(1, 3))  # it restarted at 1
     evs = drain(r)
     assert acks(evs) == [(1, 1), (2, 1), (3, 1), (4, 1), (1, 3), (2, 3)]
-    # All of it was input of the current epoch for the worker, numbered afresh.
-    assert [(s.fence.epoch, s.seq) for s in link.subs[-4:]] == [(3, 1), (3, 2), (3, 3), (3, 4)]
+    # All of it was input of the current epoch for the worker, its seqs going on.
+    assert [(s.fence.epoch, s.seq) for s in link.subs[-4:]] == [(3, 3), (3, 4), (3, 5), (3, 6)]
     # Another cancel: seq 3 carries on the numbering the client started in epoch 3.
     r.cancel("response_cancel")
     await _hand_on(r, range(3, 4))

@@ -25,6 +25,7 @@ from tests.worker_helpers import (
     FRAME,
     RESPOND,
     STARTED,
+    STOPPED,
     RunClient,
     acks_of,
     audio_of,
@@ -197,6 +198,55 @@ async def test_newer_epoch_aborts_a_running_reply() -> None:
         for m in after[first2:]:
             assert not m.outputs.audio and all(e.fence.epoch == 2 for e in m.batch)
         run.close()
+
+
+async def test_a_cancel_keeping_input_aborts_the_reply_and_consumes_the_input_under_the_new_epoch() -> None:
+    """A barge-in heard while input is still queued (after a move, seconds of it): the owner's
+    abort with ``keep_input`` stops the reply, and the input queued at the worker, and input of
+    the old epoch still on its way (in the abort's own command here), is consumed under the new
+    epoch, its VAD news and turn end told: none of what the user said is lost."""
+    speech = pad_frames(load_speech("hello.wav"))
+    said = pad_frames(load_speech("speech_03.wav"))  # what the user says, deep in the queue
+    queued = np.concatenate([np.zeros(200 * FRAME, np.float32), said, np.zeros(40 * FRAME, np.float32)])
+    async with worker() as (_, stub):
+        await attach(stub, "s1", "o1")
+        run = RunClient(stub, "o1")
+        run.send(
+            sub("r1", "s1", APPEND, seq=1, data=pcm(speech), params={"auto_commit": False}),
+            sub("r1", "s1", COMMIT),
+            sub("r1", "s1", RESPOND, turn=1),
+            sub("r1", "s1", APPEND, turn=1, seq=2, data=pcm(queued), params={"auto_commit": True}),
+        )
+        msgs = await run.until(lambda m: any(u.response_started for u in m.updates))
+        run.send(
+            sub("r1", "s1", APPEND, epoch=1, turn=1, seq=3, data=pcm(np.zeros(5 * FRAME, np.float32))),
+            sub("r1", "s1", APPEND, epoch=2, turn=1, seq=4, data=pcm(np.zeros(2 * FRAME, np.float32))),
+            aborts=(
+                worker_pb2.Abort(
+                    request_id="r1", fence=fence("s1", 2, 1), reason="barge_in", keep_input=True
+                ),
+            ),
+        )
+        after = await run.until(lambda m: 4 in acks_of([m], "r1"))
+        run.close()
+    all_msgs = msgs + after
+    assert error_codes(all_msgs, "r1") == []
+    # Every input frame was stepped, one per step, and told: the utterance, all of the queue,
+    # the 5 of the old epoch that were on their way, the 2 of the new one.
+    stepped = [e for m in all_msgs for e in m.batch if e.request_id == "r1"]
+    assert len(stepped) == (len(speech) + len(queued)) // FRAME + 5 + 2
+    # What the user said in the queue was heard and its turn ended, under either epoch.
+    ups = updates_of(after, "r1")
+    assert [v.kind for u in ups for v in u.vad if v.sample_offset >= len(speech)] == [STARTED, STOPPED]
+    ended = [u for u in ups if u.turn_ended and u.vad[0].sample_offset >= len(speech)]
+    # (the VAD's span of it, padded a frame each side: most of the fixture, never more)
+    assert len(ended) == 1 and 0.75 * len(said) <= ended[0].committed_samples <= len(said) + 2 * FRAME
+    # Nothing of the reply after the abort: no audio, no end.
+    first2 = next(i for i, m in enumerate(after) if any(e.fence.epoch == 2 for e in m.batch))
+    assert not any(m.outputs.audio for m in after[first2:])
+    assert not any(u.response_finished or u.response_started for u in updates_of(after[first2:], "r1"))
+    assert not any(u.response_finished for u in updates_of(all_msgs, "r1"))
+    assert acks_of(all_msgs, "r1")[-1] == 4
 
 
 async def test_owners_see_only_their_own_requests() -> None:

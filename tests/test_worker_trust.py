@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 
 from duplex.audio import PCM16K_MONO
 from duplex.cli import main
-from duplex.errors import DuplexError, ErrorCode, NotFoundError, from_rpc_error
+from duplex.errors import DuplexError, ErrorCode, FencedError, NotFoundError, from_rpc_error
 from duplex.tls import ChannelCredentials, ClientTLS, ServerTLS
 from duplex.v1 import session_pb2, worker_pb2, worker_pb2_grpc
 from session_service.workers.placement import WorkerPool
@@ -49,7 +49,7 @@ from tests.worker_helpers import (
 )
 from worker_service.cli import build_parser, config_from_args
 from worker_service.config import WorkerConfig
-from worker_service.fencing import FenceTable
+from worker_service.fencing import Admission, FenceTable
 from worker_service.server import WorkerServer
 
 FENCED = "duplex_worker_fenced_total"
@@ -399,6 +399,29 @@ def test_tombstones_expire_and_are_bounded() -> None:
     assert not table.is_closed("b") and table.is_closed("c")
     admission, was_live = table.attach("b", 1, "o", False)
     assert (admission.epoch, was_live) == (1, False)
+
+
+def test_an_owners_input_outlives_its_cancel_and_nothing_else_does() -> None:
+    table = FenceTable()
+    table.attach("s", 1, "o", False)
+    # The owner's cancel (keep_input): its input of epoch 1 still comes in, under epoch 2; not
+    # its RESPOND, and not anyone else's input.
+    assert table.check("s", 2, "o", keep_input=True).bumped
+    assert table.check("s", 1, "o", is_input=True) == Admission(2, bumped=False)
+    with pytest.raises(FencedError):
+        table.check("s", 1, "o")
+    with pytest.raises(FencedError):
+        table.check("s", 1, "other", is_input=True)
+    # A raise without it (a submission ahead of its abort) ends that: epoch 1 and 2 input refused.
+    assert table.check("s", 3, "o").bumped
+    for epoch in (1, 2):
+        with pytest.raises(FencedError):
+            table.check("s", epoch, "o", is_input=True)
+    # So does any Attach, even the owner's own at its epoch (a move replays its input itself).
+    assert table.check("s", 4, "o", keep_input=True).bumped
+    table.attach("s", 4, "o", False)
+    with pytest.raises(FencedError):
+        table.check("s", 3, "o", is_input=True)
 
 
 # ---- ids: bounded, escaped in logs -------------------------------------------------------------

@@ -150,14 +150,14 @@ class CommandHandler:
             try:
                 if len(ab.request_id) > MAX_ID_LENGTH or len(ab.fence.session_id) > MAX_ID_LENGTH:
                     raise bad_submission(f"ids are at most {MAX_ID_LENGTH} characters")
-                admission = fences.check(ab.fence.session_id, ab.fence.epoch, owner)
+                admission = fences.check(ab.fence.session_id, ab.fence.epoch, owner, keep_input=ab.keep_input)
             except DuplexError as err:
                 rejected.append(
                     Update(_clip(ab.request_id), _clip_fence(ab.fence), error=(err.code, err.message))
                 )
                 continue
             if admission.bumped:
-                engine_cmds.append(AbortOlder(ab.fence.session_id, admission.epoch))
+                engine_cmds.append(AbortOlder(ab.fence.session_id, admission.epoch, ab.keep_input))
             sessions.claim(ab.fence.session_id)
         # Columnar where it counts: the PCM of every accepted APPEND is decoded in ONE numpy
         # pass after the loop (each work gets its rows as a view), and submissions are counted
@@ -221,7 +221,7 @@ class CommandHandler:
         fence = work.fence
         sid = fence.session_id
         sessions = self._sessions
-        admission = sessions.fences.check(sid, fence.epoch, owner)
+        admission = sessions.fences.check(sid, fence.epoch, owner, is_input=work.kind != RESPOND)
         counter = sessions.counter(sid)
         max_queued = self._config.max_queued_frames
         if counter.depth + units > max_queued:
@@ -230,6 +230,9 @@ class CommandHandler:
             )
         if admission.bumped:
             engine_cmds.append(AbortOlder(sid, admission.epoch))
+        elif admission.epoch > fence.epoch:
+            # The owner's input from before its cancel reached us: taken under the new epoch.
+            work.fence = Fence(sid, admission.epoch, fence.turn_id)
         counter.submitted += units
         sessions.submitted(sid, work.request_id)
         engine_cmds.append(Enqueue(work, counter))

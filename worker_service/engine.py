@@ -304,17 +304,27 @@ class Engine(FrameClock):
     def _abort_older(self, model: StepModel[Any], cmd: AbortOlder) -> None:
         req = self._requests.get(cmd.session_id)
         if req is not None and cmd.epoch > req.epoch:
-            self._drop_older(model, req, cmd.epoch)
+            self._drop_older(model, req, cmd.epoch, keep_input=cmd.keep_input)
             if not req.queue and not model.is_responding(req.state):
                 self._runnable.pop(req.session_id, None)
 
-    def _drop_older(self, model: StepModel[Any], req: Request, epoch: int) -> None:
+    def _drop_older(
+        self, model: StepModel[Any], req: Request, epoch: int, *, keep_input: bool = False
+    ) -> None:
+        """The session moved to ``epoch``: its reply and queued work of older epochs go. With
+        ``keep_input`` (its owner's cancel) queued input stays, taken under ``epoch``: a user who
+        talks over a reply (a barge-in heard while input is still queued, as after a move) loses
+        none of what they said. Append seqs go on then; otherwise they restart with the epoch."""
         req.epoch = epoch
-        # Append sequence numbers restart with the epoch.
-        req.seq_done = req.seq_reported = 0
+        if not keep_input:
+            req.seq_done = req.seq_reported = 0
         kept: deque[Work] = deque()
         for work in req.queue:
             if work.fence.epoch >= epoch:
+                kept.append(work)
+                continue
+            if keep_input and work.kind != RESPOND:
+                work.fence = Fence(work.fence.session_id, epoch, work.fence.turn_id)
                 kept.append(work)
                 continue
             req.counter.retired += work.units

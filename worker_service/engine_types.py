@@ -73,10 +73,13 @@ class Enqueue:
 
 @dataclass(frozen=True, slots=True)
 class AbortOlder:
-    """Drop the session's queued and running work of epochs below ``epoch``."""
+    """Drop the session's queued and running work of epochs below ``epoch``; with
+    ``keep_input`` (the owner's cancel: ``Abort.keep_input``) only its reply and RESPONDs go, and
+    its queued input is taken under ``epoch``."""
 
     session_id: str
     epoch: int
+    keep_input: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,11 @@ class SessionFence:
     owner: str
     live: bool = True
     """Attached and not released (counts against ``max_sessions``)."""
+    input_from: int = 0
+    """The owner's input (APPEND, COMMIT, CLEAR) of this epoch or later is still admitted, taken
+    under the current epoch: the owner's cancels (``Abort.keep_input``) leave it where it was, so
+    what the user said before the owner's cancel reached the worker is not lost; anything else
+    that raises the epoch (an Attach, a takeover, a submission ahead of its abort) raises it too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +111,7 @@ class FenceTable:
         if cur is None or not cur.live:
             self._check_capacity()
         if cur is None:
-            self._sessions[session_id] = SessionFence(epoch, owner)
+            self._sessions[session_id] = SessionFence(epoch, owner, input_from=epoch)
             self._live += 1
             return Admission(epoch, bumped=False), False
         if self._authorize and owner != cur.owner:
@@ -134,7 +139,7 @@ class FenceTable:
         else:
             granted = epoch
         bumped = granted > cur.epoch
-        cur.epoch, cur.owner = granted, owner
+        cur.epoch, cur.owner, cur.input_from = granted, owner, granted
         was_live = cur.live
         if not was_live:
             cur.live = True
@@ -148,14 +153,23 @@ class FenceTable:
                 ErrorCode.CAPACITY_EXHAUSTED, f"worker holds its maximum of {self._max_sessions} sessions"
             )
 
-    def check(self, session_id: str, epoch: int, owner: str) -> Admission:
-        """Admit work under ``(session_id, epoch)`` from ``owner`` or raise (counted)."""
+    def check(
+        self, session_id: str, epoch: int, owner: str, *, is_input: bool = False, keep_input: bool = False
+    ) -> Admission:
+        """Admit work under ``(session_id, epoch)`` from ``owner`` or raise (counted).
+
+        ``is_input``: the work is input (APPEND, COMMIT, CLEAR): the owner's input of an epoch it
+        has since cancelled is admitted under the current epoch (``Admission.epoch``; see
+        ``SessionFence.input_from``). ``keep_input``: a raise of the epoch by this check (an
+        abort's) keeps the owner's older input admitted."""
         _check_requested(epoch, WorkerErrorCode.BAD_SUBMISSION)
         cur = self._sessions.get(session_id)
         if cur is None or not cur.live:
             FENCED.labels(reason="unknown_session").inc()
             raise NotFoundError(WorkerErrorCode.UNKNOWN_SESSION, "session is not attached (Attach first)")
         if epoch < cur.epoch:
+            if is_input and owner == cur.owner and epoch >= cur.input_from:
+                return Admission(cur.epoch, bumped=False)
             raise _fenced(
                 WorkerErrorCode.STALE_EPOCH, f"epoch {epoch} is below the session's epoch {cur.epoch}"
             )
@@ -163,6 +177,8 @@ class FenceTable:
             raise _fenced(WorkerErrorCode.NOT_OWNER, "the session is attached to another owner")
         bumped = epoch > cur.epoch
         cur.epoch = epoch
+        if bumped and not keep_input:
+            cur.input_from = epoch
         return Admission(epoch, bumped)
 
     def release(self, session_id: str) -> None:
@@ -241,6 +257,13 @@ class FenceTable:
         """Whether output stepped under ``(session_id, epoch)`` may still go to ``owner``."""
         cur = self._sessions.get(session_id)
         return cur is not None and cur.owner == owner and epoch >= cur.epoch
+
+    def input_current(self, session_id: str, epoch: int, owner: str) -> bool:
+        """Whether news of input stepped under ``(session_id, epoch)`` (its consumption, VAD,
+        turn ends) may still go to ``owner``: the input outlived the owner's cancels since
+        (``SessionFence.input_from``), though anything of a reply stepped with it may not."""
+        cur = self._sessions.get(session_id)
+        return cur is not None and cur.owner == owner and epoch >= cur.input_from
 
 
 def _check_requested(epoch: int, code: str) -> None:

@@ -3,7 +3,9 @@
 Conversion happens in the owner's stream writer, after the step and as late as possible: output
 stepped under a fence the session has since moved past (an older epoch, another owner now) is
 stripped first and counted ``stale_output``, so once an abort or a takeover is processed no
-older output reaches the owner, even if the engine stepped it a moment before.
+older output reaches the owner, even if the engine stepped it a moment before. News of input
+that outlived the owner's cancel (``FenceTable.input_current``: its consumption, VAD events and
+turn ends) still goes, stripped of anything of the reply.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import time
 from collections.abc import Callable
 
 from duplex.fence import Fence
-from duplex.v1 import worker_pb2
+from duplex.v1 import common_pb2, worker_pb2
 from worker_service.engine_types import OwnerStep, Update
 from worker_service.fencing import FenceTable
 from worker_service.metrics import FENCED, REQUEST_ERRORS
+
+_NO_AUDIO = common_pb2.AudioPayload()
+"""The payload a dense step keeps for a request whose input news goes and whose audio does not."""
 
 
 def to_proto(
@@ -30,7 +35,12 @@ def to_proto(
     if item.step:
         stale = {rid for rid, f in item.batch if not is_current(f.session_id, f.epoch, owner)}
         if stale:
-            item = strip(item, stale, lambda f: is_current(f.session_id, f.epoch, owner))
+            item = strip(
+                item,
+                stale,
+                lambda f: is_current(f.session_id, f.epoch, owner),
+                lambda f: fences.input_current(f.session_id, f.epoch, owner),
+            )
             if not item.batch and not item.updates:
                 return None
     out = worker_pb2.StepOutput(step=item.step)
@@ -127,11 +137,18 @@ def held_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.St
     return out if out.held_sessions else None
 
 
-def strip(item: OwnerStep, stale: set[str], is_current: Callable[[Fence], bool]) -> OwnerStep:
+def strip(
+    item: OwnerStep,
+    stale: set[str],
+    is_current: Callable[[Fence], bool],
+    input_current: Callable[[Fence], bool] = lambda _f: False,
+) -> OwnerStep:
     """``item`` without the ``stale`` requests' batch entries, audio and updates (counted), and
-    without updates whose fence is no longer current."""
+    without updates whose fence is no longer current; but a stale request whose input is still
+    current (``input_current``: it outlived the owner's cancel) keeps its batch entry, its ack
+    and the input news of its updates."""
     FENCED.labels(reason="stale_output").inc(len(stale))
-    keep = [i for i, (rid, _) in enumerate(item.batch) if rid not in stale]
+    keep = [i for i, (rid, f) in enumerate(item.batch) if rid not in stale or input_current(f)]
     out = OwnerStep(
         step=item.step,
         output_type=item.output_type,
@@ -146,6 +163,27 @@ def strip(item: OwnerStep, stale: set[str], is_current: Callable[[Fence], bool])
         out.audio_ids = [rid for rid, _ in pairs]
         out.audio = [p for _, p in pairs]
     elif item.audio:
-        out.audio = [item.audio[i] for i in keep]
-    out.updates = [u for u in item.updates if u.request_id not in stale and is_current(u.fence)]
+        # Dense audio is aligned to the batch: a kept stale entry gets an empty payload.
+        out.audio = [item.audio[i] if item.batch[i][0] not in stale else _NO_AUDIO for i in keep]
+    out.updates = []
+    for u in item.updates:
+        if u.request_id not in stale and is_current(u.fence):
+            out.updates.append(u)
+        elif input_current(u.fence) and (news := _input_news(u)) is not None:
+            out.updates.append(news)
     return out
+
+
+def _input_news(u: Update) -> Update | None:
+    """What of ``u`` is news of input (its consumption, VAD events, a turn end), without anything
+    of a reply (text, its start and end) or an error of its own; None when nothing is left."""
+    if u.error is not None or not (u.vad or u.turn_ended or u.committed_samples or u.input_seq):
+        return None
+    return Update(
+        u.request_id,
+        u.fence,
+        vad=u.vad,
+        input_seq=u.input_seq,
+        turn_ended=u.turn_ended,
+        committed_samples=u.committed_samples,
+    )

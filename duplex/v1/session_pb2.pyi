@@ -1177,6 +1177,7 @@ class ResponseDone(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     AUDIO_MS_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
+    RESTARTING_FIELD_NUMBER: _builtins.int
     response_id: _builtins.str
     """The response."""
     turn_id: _builtins.int
@@ -1189,6 +1190,12 @@ class ResponseDone(_message.Message):
     """Milliseconds of audio sent for it."""
     resume_token: _builtins.str
     """A fresh token for `resume`: it knows how this response ended."""
+    restarting: _builtins.bool
+    """FAILED with "worker_unavailable" and the turn survives: another response
+    for the same `turn_id` follows at once (the whole reply again, from a
+    healthy worker). Wait for that one's `response_done`; false means the
+    turn ends here.
+    """
     def __init__(
         self,
         *,
@@ -1198,10 +1205,11 @@ class ResponseDone(_message.Message):
         reason: _builtins.str = ...,
         audio_ms: _builtins.int = ...,
         resume_token: _builtins.str = ...,
+        restarting: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_ms", b"audio_ms", "reason", b"reason", "response_id", b"response_id", "resume_token", b"resume_token", "status", b"status", "turn_id", b"turn_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_ms", b"audio_ms", "reason", b"reason", "response_id", b"response_id", "restarting", b"restarting", "resume_token", b"resume_token", "status", b"status", "turn_id", b"turn_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

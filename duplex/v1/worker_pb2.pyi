@@ -300,10 +300,18 @@ class Abort(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    KEEP_INPUT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     reason: _builtins.str
     """Why, for metrics and logs ("barge_in", "response_cancel", ...)."""
+    keep_input: _builtins.bool
+    """Input survives the new epoch: the session's queued APPENDs, COMMITs and
+    CLEARs of older epochs stay queued (taken under `fence.epoch`, their
+    seqs and turns unchanged) and only a reply and RESPONDs are aborted. A
+    cancel or barge-in sets it: what the user says is never the reply's to
+    lose. Without it (a takeover, a move) everything older is dropped.
+    """
     @_builtins.property
     def fence(self) -> _common_pb2.Fence:
         """Work of epochs below `fence.epoch` is aborted, and the fence's epoch
@@ -316,10 +324,11 @@ class Abort(_message.Message):
         request_id: _builtins.str = ...,
         fence: _common_pb2.Fence | None = ...,
         reason: _builtins.str = ...,
+        keep_input: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "keep_input", b"keep_input", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -124,6 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         "(models that can be replayed keep it by default)",
     )
     p.add_argument(
+        "--restart-timeout-s",
+        type=float,
+        default=RunnerConfig().restart_timeout_s,
+        help="a reply restarted on another worker after its worker was lost fails "
+        "(worker_unavailable) unless its first audio comes within this long",
+    )
+    p.add_argument(
         "--no-silence-continuation",
         action="store_true",
         help=(
@@ -316,6 +323,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
             idle_timeout_s=args.idle_timeout_s,
             silence_continuation=not args.no_silence_continuation,
             turn_failover=not args.no_turn_failover,
+            restart_timeout_s=args.restart_timeout_s,
             max_unconsumed_input_ms=args.max_unconsumed_input_ms,
             max_buffer_bytes=args.max_session_buffer_bytes,
             detached_grace_s=args.detached_grace_s,

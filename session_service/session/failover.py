@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Sequence
 
 from duplex.errors import DuplexError, ErrorCode, UnavailableError
 from duplex.v1 import worker_pb2
-from session_service.metrics import FAILOVERS, REPLAYED_FRAMES, RESTARTED_RESPONSES
+from session_service.metrics import FAILOVERS, REPLAYED_FRAMES, RESTARTED_RESPONSES, RESTARTS_TIMED_OUT
 from session_service.plugin import ReplayStep
 from session_service.session.lifecycle import CloseReason, InputStatus, TurnStatus
 from session_service.session.replay import Marker
@@ -78,7 +79,7 @@ class Failover(SessionState):
             resp = self._end_response()
             if resp is not None:
                 self._restart = Restart(resp.turn_id, resp.params, resp.mark, "worker_lost")
-                self._response_done(resp, FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
+                self._response_done(resp, FAILED, ErrorCode.WORKER_UNAVAILABLE.value, restarting=True)
             if not self._check_overflow():
                 self._schedule_recover()
             return
@@ -245,6 +246,22 @@ class Failover(SessionState):
         del link
         RESTARTED_RESPONSES.labels(cause=restart.cause).inc()
         self._start_response(self._clock.now(), restart.params, restart=restart)
+
+    def _restart_deadline(self) -> float:
+        """When a restarted response that sent no audio yet runs out of ``restart_timeout_s``
+        (infinity: none is waiting)."""
+        resp = self.response
+        if resp is None or not resp.restart or resp.first_audio:
+            return math.inf
+        return resp.started_at + self._cfg.restart_timeout_s
+
+    def _restart_overdue(self) -> None:
+        """The turn's reply was lost with its worker and the new one did not bring it back in
+        time: the caller is told (``response_done{FAILED, worker_unavailable}``, not
+        ``restarting``), never left waiting. Anything of it the worker still sends is of a turn
+        no response streams (dropped, counted)."""
+        RESTARTS_TIMED_OUT.inc()
+        self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
 
     def _schedule_recover(self) -> None:
         """Have the shell run ``_recover`` in order, between client events."""

@@ -17,8 +17,8 @@ What is kept, and when it goes:
   replayed (the model finds the same turn end in the same input);
 - when a response ends (completed, cancelled, failed for a reason of its own) the utterance it
   answered is no longer needed: everything up to its marker goes;
-- CLEAR drops the chunks after the last marker (the worker dropped them too), and a new epoch
-  drops chunks of older epochs the worker had not consumed (it drops them too);
+- CLEAR drops the chunks after the last marker (the worker dropped them too); a cancel's new
+  epoch keeps them (the worker keeps the input it holds, under the new epoch);
 - when the turn is given up (no worker took the session over, or the model cannot be replayed)
   everything goes (``clear``): replayed later, it would begin the next turn;
 - the log is bounded in two parts, each by ``max_bytes``: the input after the newest commit
@@ -192,15 +192,11 @@ class ReplayLog:
         self._tail_bytes = 0
 
     def new_epoch(self, epoch: int) -> None:
-        """The epoch moved to ``epoch``: the worker drops queued input of older epochs."""
-
-        def gone(item: Chunk | Marker) -> bool:
-            return isinstance(item, Chunk) and item.epoch < epoch and not item.consumed
-
-        self._head = deque(item for item in self._head if not gone(item))
-        self._tail = deque(item for item in self._tail if not gone(item))
-        self._head_bytes = sum(len(i.frames) for i in self._head if isinstance(i, Chunk))
-        self._tail_bytes = sum(len(i.frames) for i in self._tail)
+        """The epoch moved to ``epoch`` by a cancel: the worker keeps the input it had not consumed
+        and takes it under ``epoch`` (``Abort.keep_input``), with its seqs; so does the log."""
+        for item in self:
+            if isinstance(item, Chunk) and item.epoch < epoch:
+                item.epoch = epoch
 
     def clear(self) -> None:
         """Forget everything (the session cannot replay, or starts over)."""

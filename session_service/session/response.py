@@ -150,20 +150,27 @@ class ActiveResponse:
     """Its per-response model options (``response_create.extra_body``), for a restart."""
     mark: Marker | None = None
     """The commit point of the input it answers in the session's replay log (None: none kept)."""
+    restart: bool = False
+    """It restarts the reply of a turn whose worker was lost: it has ``restart_timeout_s`` from
+    its start to send audio (``started_at`` is then its start)."""
 
     def started(self) -> session_pb2.ResponseStarted:
         return session_pb2.ResponseStarted(
             response_id=self.response_id, turn_id=self.turn_id, epoch=self.epoch
         )
 
-    def done(self, status: session_pb2.ResponseStatus.ValueType, reason: str) -> session_pb2.ResponseDone:
-        """The ``response_done`` that ends it (the only place one is built)."""
+    def done(
+        self, status: session_pb2.ResponseStatus.ValueType, reason: str, *, restarting: bool = False
+    ) -> session_pb2.ResponseDone:
+        """The ``response_done`` that ends it (the only place one is built); ``restarting``: its
+        turn's reply starts again as another response (its worker was lost)."""
         return session_pb2.ResponseDone(
             response_id=self.response_id,
             turn_id=self.turn_id,
             status=status,
             reason=reason,
             audio_ms=self.proj.audio_ms,
+            restarting=restarting,
         )
 
     def stop(self) -> None:

@@ -322,16 +322,20 @@ class SessionRunner(ClientEvents):
         return item
 
     def _deadline(self) -> float:
-        """When the session falls idle (or its detached grace ends), unless the client speaks."""
+        """When the session falls idle (or its detached grace ends), unless the client speaks;
+        or when a restarted response that sent no audio yet runs out of time."""
         deadline = self._last_client + self._idle_timeout_s()
         if self._detached_at is not None:
             deadline = min(deadline, self._detached_at + self._cfg.detached_grace_s)
-        return deadline
+        return min(deadline, self._restart_deadline())
 
     def _look_at_deadlines(self) -> None:
         """In the runner, between events: close a session whose detached grace ended, or that
-        was idle (no client event, no response) for its idle timeout."""
+        was idle (no client event, no response) for its idle timeout; fail a restarted response
+        that sent no audio within ``restart_timeout_s``."""
         now = self._clock.now()
+        if now >= self._restart_deadline():
+            self._restart_overdue()
         if self._detached_at is not None and now - self._detached_at >= self._cfg.detached_grace_s:
             self._close(CloseReason.DETACHED)
         elif self.response is None and now - self._last_client >= self._idle_timeout_s():

@@ -7,10 +7,8 @@ pending, acks reset, the epoch advance (a cancel, a placement that granted a hig
 turn commit, a response begun and finished, the close. Each of these invariants is written once,
 here. It queues events through ``emitter`` and tells its worker synchronously (``abort``,
 ``release``), but never awaits: the asyncio shell (``session_service.session.runner``) does the
-I/O, through the hooks at the end of the class.
-
-The layers above it: ``failover`` (binding, replay, restart, recover), ``client_events`` (the
-client's events), ``runner`` (``SessionRunner``: the mailbox, the deadlines, dispatch).
+I/O, through the hooks at the end of the class. The layers above it: ``failover`` (binding,
+replay, restart, recover), ``client_events``, ``runner`` (the mailbox, the deadlines, dispatch).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from duplex.clock import Clock
 from duplex.errors import BadEventError, DuplexError, ErrorCode
@@ -53,6 +51,7 @@ FAILED = session_pb2.RESPONSE_STATUS_FAILED
 INTERRUPTED = session_pb2.RESPONSE_STATUS_INTERRUPTED
 ACTIVE = session_pb2.RESPONSE_STATUS_UNSPECIFIED
 """A response that has not ended (in ``last_response``)."""
+Status: TypeAlias = session_pb2.ResponseStatus.ValueType
 
 
 class WorkerHandle(Protocol):
@@ -148,6 +147,9 @@ class SessionState:
         self.options_status = OptionsStatus.PENDING  # the first submission carries them
         self.response: ActiveResponse | None = None
         self.link: WorkerHandle | None = None
+        self.input_epoch = epoch
+        """Where the worker's input began (its placement): news of it stepped under an epoch a
+        cancel left since counts (a cancel aborts the reply, not the input: ``keep_input``)."""
         self._bind(link)
         self.outbound = Outbound(
             lambda: self.epoch, limit=cfg.outbound_limit, limit_bytes=cfg.max_buffer_bytes
@@ -265,11 +267,10 @@ class SessionState:
         self.emitter.acks(self.acks.reset())
 
     def _advance_epoch(self, epoch: int) -> int:
-        """The one epoch transition (cancel, a placement that granted a higher epoch): worker
-        seqs restart, the client may restart its appends at seq 1, and output of older epochs
-        still queued is purged. Returns the epoch left."""
+        """The one epoch transition (cancel, a placement that granted a higher epoch): the client
+        may restart its appends at seq 1, output of older epochs still queued is purged; worker
+        seqs go on (a cancel keeps the worker's input). Returns the epoch left."""
         old, self.epoch = self.epoch, epoch
-        self._worker_seq = 0
         self.seq_status = SeqStatus.RESTART_ALLOWED
         self.outbound.purge_before(epoch)
         return old
@@ -300,6 +301,7 @@ class SessionState:
         self.link = link
         if link is not None:
             WORKER_SESSIONS.labels(worker=link.address).inc()
+            self.input_epoch = self.epoch
 
     # ---- turns and responses ---------------------------------------------------------------
 
@@ -349,6 +351,7 @@ class SessionState:
             started_at=started_at,
             params=params,
             mark=restart.mark if restart is not None else self.replay.last_marker(),
+            restart=restart is not None,
         )
         self.response = resp
         self._response_active(True)
@@ -369,11 +372,11 @@ class SessionState:
         return resp
 
     def _response_done(
-        self, resp: ActiveResponse, status: session_pb2.ResponseStatus.ValueType, reason: str
+        self, resp: ActiveResponse, status: Status, reason: str, *, restarting: bool = False
     ) -> None:
-        """Emit ``response_done`` for ``resp``, with a token that knows how it ended."""
+        """Emit ``response_done`` for ``resp`` with a fresh token (``restarting``: a restart follows)."""
         self.last_response = (resp.response_id, resp.turn_id, status)
-        done = resp.done(status, reason)
+        done = resp.done(status, reason, restarting=restarting)
         done.resume_token = self._fresh_token()
         self.emitter.emit("response_done", done)
 
@@ -410,12 +413,14 @@ class SessionState:
             self._restart = None
         self.replay.new_epoch(self.epoch)
         if self.link is not None:
+            # The reply goes, the input stays: what the user said that the worker has not heard
+            # yet (seconds of it after a move) is heard under the new epoch, acked as it is.
+            fence = self._fence().to_proto()
             self.link.abort(
-                worker_pb2.Abort(request_id=self.session_id, fence=self._fence().to_proto(), reason=reason)
+                worker_pb2.Abort(request_id=self.session_id, fence=fence, reason=reason, keep_input=True)
             )
-        # Worker seqs restart with the epoch and the worker drops the old epoch's input: acks
-        # held for it go out now (they carry the old epoch), before ``audio_cancelled``.
-        self.reset_acks()
+        else:
+            self.reset_acks()
         self.emitter.emit(
             "audio_cancelled",
             session_pb2.AudioCancelled(
@@ -432,6 +437,7 @@ class SessionState:
         """The new worker granted a higher epoch (it had fenced the session before): the client
         is told as after a cancel (appends restart at seq 1), though nothing of its was cut."""
         old = self._advance_epoch(granted)
+        self.input_epoch = granted
         self.emitter.emit(
             "audio_cancelled",
             session_pb2.AudioCancelled(cancelled_epoch=old, epoch=granted, reason="worker_moved"),

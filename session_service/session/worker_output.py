@@ -13,7 +13,9 @@ Every rule is written once, here (the outbound queue's last epoch check aside), 
 its site in ``docs/worker-protocol.md``:
 
 - ``stale_epoch`` (here, and the outbound queue): output or news of an epoch the session has
-  left (cancel, barge-in, takeover); the rejection that tells a fenced-out owner.
+  left (cancel, barge-in, takeover), but for news of input a cancel kept (its consumption, VAD
+  and turn ends count: ``SessionState.input_epoch``); the rejection that tells a fenced-out
+  owner.
 - ``stale_turn`` (here): output of an older turn than the session's, or news for a response
   that is no longer active.
 - ``response_cancelled`` (here): audio of a turn no response is streaming (yet or any more), or
@@ -155,7 +157,7 @@ class WorkerOutput:
         step's audio, usually), on a stream that reads them there; else they go alone."""
         try:
             if input_seq and fence is not None:
-                if fence.epoch < self._session.epoch and not updates:
+                if fence.epoch < self._session.input_epoch and not updates:
                     DROPPED[DropReason.STALE_EPOCH].inc()  # with updates, ``_news`` counts them
                 self._consumed(fence.epoch, input_seq)
             live = [u for u in updates if self._news(u)]
@@ -179,7 +181,10 @@ class WorkerOutput:
         if u.HasField("error"):
             self._worker_error(u)
             return False
-        if u.fence.epoch < s.epoch:  # news of an epoch the session has left
+        # News of input stepped under an epoch a cancel left still counts (the cancel kept the
+        # input: what the user said goes on being heard); nothing of a reply of that epoch does.
+        input_only = u.fence.epoch < s.epoch
+        if u.fence.epoch < s.input_epoch:  # news of an epoch the session has left
             DROPPED[DropReason.STALE_EPOCH].inc()
             return False
         if u.input_seq:
@@ -201,7 +206,7 @@ class WorkerOutput:
                 )
         if u.text:
             resp = s.response
-            if resp is not None and belongs_to(u.fence, resp):
+            if resp is not None and not input_only and belongs_to(u.fence, resp):
                 for ev in self._plugin.data_plane.project_text(resp.proj, u.text):
                     self._queue(ev, resp)
             else:
@@ -209,17 +214,22 @@ class WorkerOutput:
         if u.turn_ended:
             self.end_speech()
             s.turn_ended(u.committed_samples)
+        if input_only:
+            if u.response_started or u.response_finished:
+                DROPPED[DropReason.STALE_EPOCH].inc()
+            return False
         patch = self._plugin.runtime_config_after_model_output(s.runtime_config, u)
         if patch:
             s.apply_runtime(dict(s.runtime_config) | patch)
         return True
 
     def _consumed(self, epoch: int, input_seq: int) -> None:
-        """The worker consumed the input of ``epoch`` up to ``input_seq``: if that is the
-        session's epoch, acks, and the replay log trimmed (either form of a step, rows or
+        """The worker consumed the input of ``epoch`` up to ``input_seq``: if that is input the
+        session's worker holds now (its epoch, or one a cancel left: the cancel kept the input,
+        whose seqs go on), acks, and the replay log trimmed (either form of a step, rows or
         columns, comes here)."""
         s = self._session
-        if epoch == s.epoch:
+        if epoch >= s.input_epoch:
             s.replay.consumed(epoch=s.epoch, seq=input_seq)
             s.emitter.acks(s.acks.consumed(input_seq), ride=True)
 
