@@ -44,6 +44,12 @@ What counts (the summary; ``--json`` prints the same as one JSON object):
   ``duplex_worker_active_requests`` (sessions holding model state), polled until 0 or 10 s;
 - fail-closed steps under valid traffic (must be 0): ``duplex_sparse_fail_closed_total`` summed
   over every process (a killed one as scraped just before its fault, the others at the end);
+- turns lagging after a fault (must be 0): each answered turn's end of speech -> first reply
+  audio is reported, before the first fault (the baseline) and after each fault by how many
+  turns after it a session's turn is (``turn_latencies``); from the second turn a session
+  starts after a fault on (one with no fault between its start and its reply), a turn more than
+  ``LAG_S`` over the baseline's 90th percentile lags: the conversation did not get back to real
+  time;
 - also: turns failed (a ``response_done`` FAILED), turns still waiting at the very end, error
   codes, broken-call statuses, resumes, appends re-sent, and when each fault happened.
 
@@ -116,6 +122,9 @@ GRACE_S = 15.0
 RESUME_WINDOW_S = 20.0
 STOP_S = 5.0
 """SIGSTOP lasts this long."""
+LAG_S = 1.0
+"""A turn after a fault whose first reply audio comes this much later than the baseline's 90th
+percentile lags (``turn_latencies``)."""
 #: Matching (see the module docstring).
 MATCH = 0.6
 MARGIN = 0.2
@@ -371,6 +380,7 @@ class Response:
     status: int = 0
     reason: str = ""
     done: float | None = None
+    first_audio: float | None = None
 
 
 @dataclass
@@ -656,6 +666,8 @@ class Caller:
             else:
                 if ad.turn_id != r.turn_id or ad.epoch != r.epoch:
                     self.anomalies["audio with another turn or epoch than its response"] += 1
+                if r.first_audio is None:
+                    r.first_audio = self.now()
                 r.pcm += ad.pcm
         elif kind == "response_done":
             rd = ev.response_done
@@ -974,6 +986,7 @@ def evaluate(
     lengths: list[float] = []
     wrong: list[dict[str, Any]] = []
     lost: list[dict[str, Any]] = []
+    answered: dict[tuple[int, int], str] = {}
     for c in callers:
         errors.update(c.errors)
         broken.update(c.broken_calls)
@@ -1014,8 +1027,10 @@ def evaluate(
             counts["turns_spoken"] += 1
             failed = any(c.responses[rid].status == FAILED for rid in t.responses)
             counts["turns_failed"] += failed
-            if any(matches.get(rid, False) for rid in t.responses):
+            answer = next((rid for rid in t.responses if matches.get(rid, False)), None)
+            if answer is not None:
                 counts["turns_answered"] += 1
+                answered[(c.index, t.index)] = answer
                 continue
             counts["turns_unanswered"] += 1
             counts["turns_in_flight_at_end"] += t.in_flight_at_end
@@ -1046,6 +1061,7 @@ def evaluate(
                 counts["turns_unacked_unanswered"] += 1
     return {
         "counts": counts,
+        "answered": answered,
         "responses": dict(statuses),
         "errors": dict(errors),
         "broken_calls": dict(broken),
@@ -1059,6 +1075,87 @@ def evaluate(
             "reply_length_vs_speech_max": round(max(lengths, default=0.0), 3),
             "own_min_by_phrase": dict(sorted(by_phrase.items())),
         },
+    }
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
+
+
+def turn_latencies(
+    callers: list[Caller], answered: dict[tuple[int, int], str], faults: list[dict[str, Any]], t_open: float
+) -> dict[str, Any]:
+    """End of speech -> first reply audio of every answered turn, before the first fault (the
+    baseline) and after each fault, by how many turns after it a session's turn is (1: the first
+    it started after the fault ended). A turn lags when it is at least the second one a session
+    started after a fault, nothing else happened between its start and its first audio, and its
+    latency is more than ``LAG_S`` over the baseline's 90th percentile: the conversation did not
+    get back to real time. ``answered``: (session, turn) -> the response that answered it."""
+    # Fault times on the callers' clock; a hang lasts until its SIGCONT.
+    events = [(f["t"] + t_open, f["fault"]) for f in faults]
+    ends: list[tuple[float, float, str]] = []
+    for at, what in events:
+        if what == "SIGCONT worker":
+            continue
+        end = (
+            next((t for t, w in events if w == "SIGCONT worker" and t >= at), at) if "SIGSTOP" in what else at
+        )
+        ends.append((at, end, what))
+    first_fault = min((at for at, _, _ in ends), default=float("inf"))
+    baseline: list[float] = []
+    latency: dict[tuple[int, int], tuple[float, float, float]] = {}
+    for c in callers:
+        for t in c.turns:
+            rid = answered.get((c.index, t.index))
+            r = c.responses.get(rid) if rid is not None else None
+            if r is None or r.first_audio is None or t.spoken is None:
+                continue
+            end_of_speech = t.spoken - TRAIL_S
+            latency[(c.index, t.index)] = (t.started, r.first_audio, r.first_audio - end_of_speech)
+            if r.first_audio < first_fault:
+                baseline.append(r.first_audio - end_of_speech)
+    base_p90 = _percentile(baseline, 90)
+    after: list[dict[str, Any]] = []
+    lagging: list[dict[str, Any]] = []
+    for at, end, what in ends:
+        by_k: dict[int, list[float]] = {}
+        for c in callers:
+            k = 0
+            for t in c.turns:
+                if t.started < end or (c.index, t.index) not in latency:
+                    continue
+                k += 1
+                started, first_audio, lat = latency[(c.index, t.index)]
+                by_k.setdefault(k, []).append(lat)
+                quiet = not any(started <= a <= first_audio for a, _, _ in ends)
+                if k >= 2 and quiet and baseline and lat > base_p90 + LAG_S:
+                    lagging.append(
+                        {"session": c.index, "turn": t.index, "after": what, "latency_ms": round(lat * 1000)}
+                    )
+        after.append(
+            {
+                "fault": what,
+                "t": round(at - t_open, 3),
+                "turns": {
+                    k: {
+                        "n": len(v),
+                        "median_ms": round(_percentile(v, 50) * 1000),
+                        "max_ms": round(max(v) * 1000),
+                    }
+                    for k, v in sorted(by_k.items())
+                    if k <= 3
+                },
+            }
+        )
+    return {
+        "baseline": {
+            "n": len(baseline),
+            "median_ms": round(_percentile(baseline, 50) * 1000),
+            "p90_ms": round(base_p90 * 1000),
+        },
+        "after_faults": after,
+        "lagging_turns": len(lagging),
+        "lagging": lagging[:20],
     }
 
 
@@ -1087,6 +1184,9 @@ def run(opts: Options) -> dict[str, Any]:
     result = evaluate(callers, matcher, keep=log_dir, keep_all=opts.keep_audio)
     evaluate_s = time.monotonic() - began
     counts = result.pop("counts")
+    latencies = turn_latencies(
+        callers, result.pop("answered"), driven["faults"], driven["timing"]["opened_s"]
+    )
     resumed = [c for c in callers if c.resumes]
     return {
         "sessions": opts.sessions,
@@ -1117,6 +1217,8 @@ def run(opts: Options) -> dict[str, Any]:
         "worker_state": state,
         "fail_closed": fail_closed,
         "scores": result["scores"],
+        "latency": latencies,
+        "lagging_turns": latencies["lagging_turns"],
         "wrong": result["wrong"],
         "lost": result["lost"][:20],
         "timing": {
@@ -1164,6 +1266,21 @@ def summary(report: dict[str, Any], out: IO[str]) -> None:
     for f in r["faults"]:
         where = f"; sessions placed: {f['placement']}" if "placement" in f else ""
         print(f"  t={f['t']:7.3f} s  {f['fault']} {f['process']} (pid {f['pid']}){where}", file=out)
+    lat = r["latency"]
+    line(
+        "turns lagging after a fault",
+        r["lagging_turns"],
+        f"(must be 0; end of speech -> first audio, baseline median {lat['baseline']['median_ms']} ms, "
+        f"p90 {lat['baseline']['p90_ms']} ms, {lat['baseline']['n']} turns)",
+    )
+    for a in lat["after_faults"]:
+        turns = ", ".join(
+            f"turn {k}: median {v['median_ms']} ms, max {v['max_ms']} ms ({v['n']})"
+            for k, v in a["turns"].items()
+        )
+        print(f"  after {a['fault']} at t={a['t']} s: {turns or '-'}", file=out)
+    for lag in lat["lagging"]:
+        print(f"  LAGGING: {lag}", file=out)
     print(f"  scores: {r['scores']}", file=out)
     for w in r["wrong"]:
         print(f"  WRONG SESSION: {w}", file=out)
@@ -1205,6 +1322,7 @@ def main(argv: list[str] | None = None) -> int:
         summary(report, sys.stdout)
     bad = report["wrong_session_replies"] or report["lost_acked_turns"] or report["worker_state_left"]
     bad = bad or report["fail_closed_steps"] or report["turns_answered"] < report["turns_spoken"]
+    bad = bad or report["lagging_turns"]
     return 1 if bad else 0
 
 
