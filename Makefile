@@ -10,6 +10,10 @@ PROTOC  = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Ip
 
 setup: $(VENV)/.installed
 
+# Kyutai's moshi (the moshi model): its metadata pins an older torch and numpy than it runs on,
+# so it goes in without its dependencies, after its real needs (the worker extra lists them).
+MOSHI_VERSION ?= 0.2.13
+
 # Everything: the client and session service (base), the worker's models ([worker]) and
 # the tools ([dev]). torch==2.13.0 first: it is the CPU build on disk here; the [worker]
 # extra's requirement is a range it satisfies, so pip adds no multi-GB CUDA build (a plain
@@ -19,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[worker,dev]'
+	$(BIN)/pip install -q --no-deps moshi==$(MOSHI_VERSION)
 	touch $@
 
 # Regenerate the committed protobuf code (messages, stubs, .pyi types).
