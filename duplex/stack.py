@@ -44,6 +44,12 @@ PLUGINS = {
     "synthetic": "session_service.plugins.synthetic:SyntheticPlugin",
     "moshi": "session_service.plugins.moshi:MoshiPlugin",
 }
+#: Models served in stages (``duplex up --pipeline P``): the plugin, and each stage's worker model
+#: in order (the first stage's workers are the session's ``--workers``, the others
+#: ``--stage-workers STAGE=...``; each stage is named after its model).
+PIPELINES = {
+    "cascade": ("session_service.plugins.cascade:CascadePlugin", ("asr", "responder", "tts")),
+}
 DEFAULT_SESSION_PORT = 50051
 _PR_SET_PDEATHSIG = 1
 
@@ -110,7 +116,8 @@ class Child:
 
 @dataclass
 class LocalStack:
-    """A session service and ``workers`` parrot workers on loopback, as child processes.
+    """A session service and ``workers`` parrot workers on loopback, as child processes; with
+    ``pipeline`` (``PIPELINES``), ``workers`` workers of each of its stages.
 
     Use as a context manager (``with LocalStack() as stack: stack.target``) or call
     ``start()`` / ``stop()``. ``log`` receives the children's stderr (default: ours).
@@ -121,6 +128,9 @@ class LocalStack:
     session_port: int = 0
     model: str = "parrot"
     plugin: str = DEFAULT_PLUGIN
+    pipeline: str | None = None
+    """A model served in stages (``PIPELINES``): its plugin and a pool of workers per stage
+    (``model`` and ``plugin`` are then the pipeline's)."""
     device: str = "cpu"
     worker_args: list[str] = field(default_factory=list)
     session_args: list[str] = field(default_factory=list)
@@ -219,26 +229,42 @@ class LocalStack:
         if self.children:
             raise StackError("already started")
         deadline = time.monotonic() + self.startup_timeout_s
+        stages: tuple[str, ...] = (self.model,)
+        if self.pipeline is not None:
+            if self.pipeline not in PIPELINES:
+                raise StackError(f"unknown pipeline {self.pipeline!r} (known: {', '.join(PIPELINES)})")
+            self.plugin, stages = PIPELINES[self.pipeline]
+            self.model = stages[0]
         try:
-            for i in range(self.workers):
-                self._spawn(
-                    f"worker-{i}",
-                    [
-                        "worker",
-                        "--model",
-                        self.model,
-                        "--listen",
-                        f"{self.host}:0",
-                        "--metrics-port",
-                        "0",
-                        "--device",
-                        self.device,
-                        "--worker-id",
-                        f"local-{i}",
-                        *self.worker_args,
-                    ],
-                )
+            for model in stages:
+                for i in range(self.workers):
+                    prefix = "" if self.pipeline is None else f"{model}-"
+                    self._spawn(
+                        f"{prefix or 'worker-'}{i}",
+                        [
+                            "worker",
+                            "--model",
+                            model,
+                            "--listen",
+                            f"{self.host}:0",
+                            "--metrics-port",
+                            "0",
+                            "--device",
+                            self.device,
+                            "--worker-id",
+                            f"local-{prefix}{i}",
+                            *self.worker_args,
+                        ],
+                    )
             self._await_listening(self.worker_children, deadline)
+            later = [
+                arg
+                for model in stages[1:]
+                for arg in (
+                    "--stage-workers",
+                    f"{model}={','.join(w.grpc for w in self.stage_workers(model))}",
+                )
+            ]
             session = self._spawn(
                 "session",
                 [
@@ -246,7 +272,8 @@ class LocalStack:
                     "--plugin",
                     self.plugin,
                     "--workers",
-                    ",".join(w.grpc for w in self.worker_children),
+                    ",".join(w.grpc for w in self.stage_workers(stages[0])),
+                    *later,
                     "--listen",
                     f"{self.host}:{self.session_port}",
                     "--metrics-port",
@@ -295,6 +322,12 @@ class LocalStack:
                     last = f"{exc.code().name}: {exc.details()}"
                 time.sleep(0.1)
         raise StackError(f"session service at {self.target} not SERVING ({last})")
+
+    def stage_workers(self, model: str) -> list[Child]:
+        """The workers of one stage of the pipeline (without one: of ``model``, all of them)."""
+        if self.pipeline is None:
+            return list(self.worker_children)
+        return [w for w in self.worker_children if w.name.rsplit("-", 1)[0] == model]
 
     def dead_child(self) -> Child | None:
         """The first child that has exited, if any."""
@@ -409,6 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(f"{m} -> {p}" for m, p in PLUGINS.items())
         + ")",
     )
+    p.add_argument(
+        "--pipeline",
+        choices=sorted(PIPELINES),
+        default=None,
+        help="serve a model in stages instead, --workers workers of each stage (cascade: speech "
+        "recognition -> responder -> speech synthesis, each on its own workers)",
+    )
     p.add_argument("--device", default="cpu", help="worker device (default: %(default)s)")
     moshi = p.add_argument_group("moshi model (--model moshi; see duplex worker --help)")
     moshi.add_argument("--checkpoint", default=None, metavar="REPO_OR_DIR", help="the workers' checkpoint")
@@ -471,8 +511,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.worker_args = [*stack.worker_args, "--insecure"]
         stack.session_args = [*stack.session_args, "--insecure"]
         stack.realtime_args = [*stack.realtime_args, "--insecure"]
-    stack.model, stack.device = args.model, args.device
+    stack.model, stack.device, stack.pipeline = args.model, args.device, args.pipeline
     stack.plugin = args.plugin or PLUGINS.get(args.model, DEFAULT_PLUGIN)
+    if args.pipeline is not None and args.plugin is not None:
+        print("duplex up: --pipeline brings its own plugin: leave out --plugin", file=sys.stderr)
+        return 2
     for flag, value in (
         ("--checkpoint", args.checkpoint),
         ("--temperature", args.temperature),
@@ -481,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value is not None:
             stack.worker_args = [*stack.worker_args, flag, str(value)]
-    print(f"starting {args.workers} {args.model} worker(s) and a session service...", file=sys.stderr)
+    what = f"{args.model} worker(s)" if args.pipeline is None else f"worker(s) of each {args.pipeline} stage"
+    print(f"starting {args.workers} {what} and a session service...", file=sys.stderr)
     try:
         stack.start()
     except StackError as exc:

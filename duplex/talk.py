@@ -292,6 +292,11 @@ async def _follow(
                     if barge_in_after_ms is not None:
                         barge = asyncio.create_task(barge_in_later(barge_in_after_ms))
                 reply += d.pcm
+            elif kind == "transcript_delta" and ev.transcript_delta.role == "user":
+                tl.add("you said", repr(ev.transcript_delta.text))
+            elif kind == "input_transcribed":
+                t = ev.input_transcribed
+                tl.add("transcribed", f"turn {t.turn_id}: {t.transcript!r}")
             elif kind in ("text_delta", "transcript_delta"):
                 text = ev.text_delta.text if kind == "text_delta" else ev.transcript_delta.text
                 tl.add(kind.replace("_", " "), repr(text))

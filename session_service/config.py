@@ -95,6 +95,10 @@ class ServiceConfig:
     A and AAAA records are the workers, re-resolved while the service runs
     (``session_service.workers.discovery``). Placement ranks workers by their own ids, so replicas agree
     whatever addresses each one dials."""
+    stage_workers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """A plugin served in stages (``DuplexModelPlugin.stages``): the workers of each stage after
+    the first, by stage name, each as ``workers`` is (a list, or one ``dns:`` target), each its
+    own pool. The first stage's are ``workers``."""
     workers_resolve_interval_s: float = 10.0
     """With a ``dns:`` target: how often its name is resolved again (also at once, at most once a
     second, when a worker link is lost)."""

@@ -111,6 +111,14 @@ FAILOVERS: Final = Counter(
 REPLAYED_FRAMES: Final = Counter(
     "duplex_session_replayed_frames", "Worker frames of input replayed on a new worker after a failover."
 )
+STAGE_FAILOVERS: Final = Counter(
+    "duplex_session_stage_failovers",
+    "A later stage's worker lost or hung while sessions held it (a model served in stages), by "
+    "stage and result: lost (a session lost its worker of the stage), redone (a reply's part of "
+    "the stage was redone on another worker), unavailable (no worker of the stage in time: the "
+    "reply failed).",
+    ["stage", "result"],
+)
 RESTARTED_RESPONSES: Final = Counter(
     "duplex_session_restarted_responses",
     "Responses restarted for the same turn, by cause: worker_lost (the worker streaming it was "

@@ -27,7 +27,9 @@ from worker_service.engine_types import (
     APPEND,
     CLEAR,
     COMMIT,
+    REPLY_KINDS,
     RESPOND,
+    TEXT,
     AbortOlder,
     CommandMark,
     EngineCommand,
@@ -46,9 +48,12 @@ from worker_service.sessions import SessionTable
 
 logger = logging.getLogger(__name__)
 
+#: The longest TEXT a submission carries (a sentence, a transcript: longer is refused).
+MAX_TEXT_CHARS = 4096
+
 SESSIONS_REFUSED_REAL_TIME = SESSIONS_REFUSED.labels(reason="real_time")
 
-_KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "clear"}
+_KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "clear", TEXT: "text"}
 _SUBMITTED: dict[int, Any] = {kind: SUBMISSIONS.labels(kind=label) for kind, label in _KIND_LABELS.items()}
 _SUBMITTED_UNKNOWN = SUBMISSIONS.labels(kind="unknown")
 
@@ -232,7 +237,7 @@ class CommandHandler:
         fence = work.fence
         sid = fence.session_id
         sessions = self._sessions
-        admission = sessions.fences.check(sid, fence.epoch, owner, is_input=work.kind != RESPOND)
+        admission = sessions.fences.check(sid, fence.epoch, owner, is_input=work.kind not in REPLY_KINDS)
         counter = sessions.counter(sid)
         max_queued = self._config.max_queued_frames
         if counter.depth + units > max_queued:
@@ -354,6 +359,11 @@ def parse_submission(
             logger.info("submission params refused by the model: %r", exc)
             raise bad_submission("invalid params") from exc
     work = Work(kind, Fence(session_id, fence.epoch, fence.turn_id), owner, request_id, options=options)
+    if kind == TEXT:
+        text = sub.text
+        if len(text) > MAX_TEXT_CHARS:
+            raise bad_submission(f"a TEXT submission carries at most {MAX_TEXT_CHARS} characters")
+        work.text, work.text_final = text, sub.text_final
     if kind != APPEND:
         return work, None
     pcm = sub.pcm

@@ -52,7 +52,9 @@ from worker_service.engine_types import (
     APPEND,
     CLEAR,
     COMMIT,
+    REPLY_KINDS,
     RESPOND,
+    TEXT,
     AbortOlder,
     CommandMark,
     CommandMarks,
@@ -340,7 +342,7 @@ class Engine(FrameClock):
             if work.fence.epoch >= epoch:
                 kept.append(work)
                 continue
-            if keep_input and work.kind != RESPOND:
+            if keep_input and work.kind not in REPLY_KINDS:
                 work.fence = Fence(work.fence.session_id, epoch, work.fence.turn_id)
                 kept.append(work)
                 continue
@@ -399,12 +401,15 @@ class Engine(FrameClock):
                 req.unanswered = None  # RESPOND, COMMIT and CLEAR each answer an ended turn
                 if work.kind == COMMIT:
                     n = model.commit(req.state)
+                    heard = model.committed_transcript(req.state)
                     news.setdefault(work.owner, []).append(
-                        Update(work.request_id, work.fence, committed_samples=n)
+                        Update(work.request_id, work.fence, committed_samples=n, user_transcript=heard)
                     )
                 elif work.kind == RESPOND:
                     model.respond(req.state)
                     req.reply_fence = work.fence
+                elif work.kind == TEXT:
+                    model.take_text(req.state, work.text, work.text_final)
                 elif work.kind == CLEAR:
                     model.clear(req.state)
             except Exception as exc:

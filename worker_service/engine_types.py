@@ -20,6 +20,10 @@ APPEND = worker_pb2.SUBMISSION_KIND_APPEND
 COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
 RESPOND = worker_pb2.SUBMISSION_KIND_RESPOND
 CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
+TEXT = worker_pb2.SUBMISSION_KIND_TEXT
+#: Work of the reply's side: dropped by any newer epoch (input of the other kinds survives the
+#: owner's cancel, ``Abort.keep_input``).
+REPLY_KINDS = frozenset({RESPOND, TEXT})
 
 
 class QueueCounter:
@@ -58,6 +62,10 @@ class Work:
     replay: bool = False
     """APPEND: input replayed after a move; its news were reported by the worker that first
     consumed it, so only its consumption is reported (``Submission.replay``)."""
+    text: str = ""
+    """TEXT: a piece of the reply's text input."""
+    text_final: bool = False
+    """TEXT: the last piece."""
 
     @property
     def units(self) -> int:
@@ -135,6 +143,8 @@ class Update:
     response_started: bool = False
     response_finished: bool = False
     error: tuple[str, str] | None = None
+    user_text: str = ""
+    user_transcript: str | None = None
 
 
 @dataclass(slots=True)

@@ -35,6 +35,10 @@ CATCH_UP_BACKLOG: Final = 2
 LATE_JOIN: Final = 0.25
 #: Frame clock: the weight of the newest tick in the moving average of the tick load.
 LOAD_SMOOTHING: Final = 0.1
+#: The most one tick adds to the load: a tick that took longer was a stall (the process stopped,
+#: swapped out), counted late but no measure of what sessions cost; uncapped, one stall of 20
+#: periods kept admission refusing every session for a second after the worker came back.
+MAX_LOAD_SAMPLE: Final = 2.0
 
 
 class FrameClock:
@@ -84,7 +88,7 @@ class FrameClock:
     def _measure(self, began: float, stepped: float, *, late: bool) -> None:
         """A tick's step of every runnable request took ``stepped - began``: its load (a moving
         average of that over the period, what admission reads) and whether it missed its deadline."""
-        load = (stepped - began) / self._period
+        load = min((stepped - began) / self._period, MAX_LOAD_SAMPLE)
         self.tick_load = (
             load if not self.tick_load else self.tick_load + LOAD_SMOOTHING * (load - self.tick_load)
         )

@@ -126,7 +126,7 @@ FENCE_REASONS: Final = (
     "epoch_out_of_range",
     "identity_not_allowed",
 )
-SUBMISSION_KINDS: Final = ("append", "commit", "respond", "clear", "unknown")
+SUBMISSION_KINDS: Final = ("append", "commit", "respond", "clear", "text", "unknown")
 
 # Pre-create the bounded label values so dashboards and alerts see zero series from the start.
 for _r in FENCE_REASONS:

@@ -87,6 +87,11 @@ class RequestNews:
     """The last reply frame is in this step."""
     error: str | None = None
     """A per-request model failure: the request gets a ``model_error`` update, the batch goes on."""
+    user_text: str = ""
+    """A speech recognizer's words of the user heard this step (the next piece of the turn's)."""
+    user_transcript: str | None = None
+    """With ``turn_ended``: the committed turn's whole transcript (a model that recognizes
+    speech; None from one that does not)."""
 
 
 @dataclass(slots=True)
@@ -168,6 +173,12 @@ class StepModel(ABC, Generic[S]):
     def commit(self, state: S) -> int:
         """COMMIT: the uncommitted input becomes the utterance; returns its length in samples."""
 
+    def committed_transcript(self, state: S) -> str | None:
+        """After ``commit``: the committed utterance's transcript, from a model that recognizes
+        speech (its COMMIT's answer carries it); None from one that does not."""
+        del state
+        return None
+
     @abstractmethod
     def clear(self, state: S) -> None:
         """CLEAR: drop uncommitted input."""
@@ -175,6 +186,12 @@ class StepModel(ABC, Generic[S]):
     @abstractmethod
     def respond(self, state: S) -> None:
         """RESPOND: start a reply to the committed utterance (raise ``no_committed_input``)."""
+
+    def take_text(self, state: S, text: str, final: bool) -> None:
+        """TEXT: a piece of the reply's text input (``final``: the last); a model of a stage that
+        takes text (a responder, a speech synthesizer) implements it."""
+        del state, text, final
+        raise BadEventError(ErrorCode.UNSUPPORTED_BY_MODEL, f"{self.model_id} takes no text input")
 
     @abstractmethod
     def cancel_response(self, state: S) -> None:

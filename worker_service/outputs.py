@@ -124,6 +124,10 @@ def _update(ru: worker_pb2.RequestUpdate, upd: Update, input_seq: int) -> None:
         ru.response_started = True
     if upd.response_finished:
         ru.response_finished = True
+    if upd.user_text:
+        ru.user_text = upd.user_text
+    if upd.user_transcript is not None:
+        ru.user_transcript = upd.user_transcript
 
 
 def held_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:
@@ -177,7 +181,8 @@ def strip(
 def _input_news(u: Update) -> Update | None:
     """What of ``u`` is news of input (its consumption, VAD events, a turn end), without anything
     of a reply (text, its start and end) or an error of its own; None when nothing is left."""
-    if u.error is not None or not (u.vad or u.turn_ended or u.committed_samples or u.input_seq):
+    heard = u.user_text or u.user_transcript is not None
+    if u.error is not None or not (u.vad or u.turn_ended or u.committed_samples or u.input_seq or heard):
         return None
     return Update(
         u.request_id,
@@ -186,4 +191,6 @@ def _input_news(u: Update) -> Update | None:
         input_seq=u.input_seq,
         turn_ended=u.turn_ended,
         committed_samples=u.committed_samples,
+        user_text=u.user_text,
+        user_transcript=u.user_transcript,
     )

@@ -80,6 +80,7 @@ def collect_news(
         if was_replay and n is not None and n.error is None:
             # The worker that first consumed this input reported what the model heard in it.
             n.vad, n.text, n.turn_ended, n.committed_samples = [], "", False, 0
+            n.user_text, n.user_transcript = "", None
             if not (n.response_started or n.response_finished):
                 n = None
         if n is not None and n.error is not None:
@@ -111,6 +112,8 @@ def collect_news(
                     committed_samples=n.committed_samples,
                     response_started=n.response_started,
                     response_finished=n.response_finished,
+                    user_text=n.user_text,
+                    user_transcript=n.user_transcript,
                 )
             )
 

@@ -1024,6 +1024,36 @@ class InputCommitted(_message.Message):
 Global___InputCommitted: _TypeAlias = InputCommitted  # noqa: Y015
 
 @_typing.final
+class InputTranscribed(_message.Message):
+    """The user's words in a committed turn, from a model that recognizes speech
+    (a pipeline with a speech recognition stage): after the turn's `committed`,
+    once the recognizer settled them (the `transcript_delta{role="user"}`
+    pieces before it were heard on the way and may word them differently).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    TRANSCRIPT_FIELD_NUMBER: _builtins.int
+    turn_id: _builtins.int
+    """The committed turn (its `committed.turn_id`)."""
+    transcript: _builtins.str
+    """The whole transcript of the turn (empty: no words were recognized)."""
+    def __init__(
+        self,
+        *,
+        turn_id: _builtins.int = ...,
+        transcript: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["transcript", b"transcript", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputTranscribed: _TypeAlias = InputTranscribed  # noqa: Y015
+
+@_typing.final
 class InputCleared(_message.Message):
     """The input buffer was cleared."""
 
@@ -1413,6 +1443,7 @@ class ServerEvent(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     CLOSED_FIELD_NUMBER: _builtins.int
     CONTEXT_RESET_FIELD_NUMBER: _builtins.int
+    INPUT_TRANSCRIBED_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     """Server-assigned id, unique within the session."""
     @_builtins.property
@@ -1458,6 +1489,8 @@ class ServerEvent(_message.Message):
     def closed(self) -> Global___SessionClosed: ...
     @_builtins.property
     def context_reset(self) -> Global___ContextReset: ...
+    @_builtins.property
+    def input_transcribed(self) -> Global___InputTranscribed: ...
     def __init__(
         self,
         *,
@@ -1480,12 +1513,13 @@ class ServerEvent(_message.Message):
         error: Global___Error | None = ...,
         closed: Global___SessionClosed | None = ...,
         context_reset: Global___ContextReset | None = ...,
+        input_transcribed: Global___InputTranscribed | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "go_away", b"go_away", "input_ack", b"input_ack", "input_transcribed", b"input_transcribed", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "event_id", b"event_id", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "event_id", b"event_id", "go_away", b"go_away", "input_ack", b"input_ack", "input_transcribed", b"input_transcribed", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "updated", "input_ack", "committed", "cleared", "speech_started", "speech_stopped", "response_started", "audio_delta", "text_delta", "transcript_delta", "audio_cancelled", "response_done", "go_away", "error", "closed", "context_reset"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "updated", "input_ack", "committed", "cleared", "speech_started", "speech_stopped", "response_started", "audio_delta", "text_delta", "transcript_delta", "audio_cancelled", "response_done", "go_away", "error", "closed", "context_reset", "input_transcribed"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

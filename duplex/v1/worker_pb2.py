@@ -26,17 +26,17 @@ from duplex.v1 import common_pb2 as duplex_dot_v1_dot_common__pb2
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64uplex/v1/worker.proto\x12\tduplex.v1\x1a\x16\x64uplex/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xce\x01\n\x11WorkerDescription\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tmax_batch\x18\x03 \x01(\r\x12,\n\x0c\x61udio_format\x18\x04 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\x12\x15\n\rframe_samples\x18\x05 \x01(\r\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x16\n\x0e\x61ppend_columns\x18\x08 \x01(\x08\"g\n\rAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x10\n\x08takeover\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"0\n\x0e\x41ttachResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\"\xbd\x01\n\nSubmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\x12\'\n\x04kind\x18\x03 \x01(\x0e\x32\x19.duplex.v1.SubmissionKind\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0b\n\x03pcm\x18\x05 \x01(\x0c\x12\'\n\x06params\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0e\n\x06replay\x18\x07 \x01(\x08\"`\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nkeep_input\x18\x04 \x01(\x08\"N\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\"\xcc\x01\n\rWorkerCommand\x12\r\n\x05owner\x18\x01 \x01(\t\x12%\n\x06submit\x18\x02 \x03(\x0b\x32\x15.duplex.v1.Submission\x12\x1f\n\x05\x61\x62ort\x18\x03 \x03(\x0b\x32\x10.duplex.v1.Abort\x12#\n\x07release\x18\x04 \x03(\x0b\x32\x12.duplex.v1.Release\x12\x14\n\x0cstep_columns\x18\x05 \x01(\x08\x12)\n\x07\x61ppends\x18\x06 \x01(\x0b\x32\x18.duplex.v1.AppendColumns\"\x91\x01\n\rAppendColumns\x12\x12\n\nrequest_id\x18\x01 \x03(\t\x12\x12\n\nsession_id\x18\x02 \x03(\t\x12\r\n\x05\x65poch\x18\x03 \x03(\x04\x12\x0f\n\x07turn_id\x18\x04 \x03(\x04\x12\x0b\n\x03seq\x18\x05 \x03(\x04\x12\x0e\n\x06\x66rames\x18\x06 \x03(\r\x12\x0b\n\x03pcm\x18\x07 \x01(\x0c\x12\x0e\n\x06replay\x18\x08 \x03(\x08\"h\n\x0bStepColumns\x12\x12\n\nrequest_id\x18\x01 \x03(\t\x12\x12\n\nsession_id\x18\x02 \x03(\t\x12\r\n\x05\x65poch\x18\x03 \x03(\x04\x12\x0f\n\x07turn_id\x18\x04 \x03(\x04\x12\x11\n\tinput_seq\x18\x05 \x03(\x04\"A\n\nBatchEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\"\x8d\x01\n\x11MultimodalOutputs\x12*\n\x0boutput_type\x18\x01 \x01(\x0e\x32\x15.duplex.v1.OutputType\x12\x14\n\x0csparse_audio\x18\x02 \x01(\x08\x12\x0e\n\x06req_id\x18\x03 \x03(\t\x12&\n\x05\x61udio\x18\x04 \x03(\x0b\x32\x17.duplex.v1.AudioPayload\"\x99\x01\n\x08VadEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.duplex.v1.VadEvent.Kind\x12\x15\n\rsample_offset\x18\x02 \x01(\x04\"N\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13KIND_SPEECH_STARTED\x10\x01\x12\x17\n\x13KIND_SPEECH_STOPPED\x10\x02\",\n\x0bWorkerError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x92\x02\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\x12 \n\x03vad\x18\x03 \x03(\x0b\x32\x13.duplex.v1.VadEvent\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\tinput_seq\x18\x05 \x01(\x04\x12\x12\n\nturn_ended\x18\x06 \x01(\x08\x12\x18\n\x10response_started\x18\x07 \x01(\x08\x12\x19\n\x11response_finished\x18\x08 \x01(\x08\x12%\n\x05\x65rror\x18\t \x01(\x0b\x32\x16.duplex.v1.WorkerError\x12\x19\n\x11\x63ommitted_samples\x18\n \x01(\x04\"\x9c\x02\n\nStepOutput\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12$\n\x05\x62\x61tch\x18\x02 \x03(\x0b\x32\x15.duplex.v1.BatchEntry\x12-\n\x07outputs\x18\x03 \x01(\x0b\x32\x1c.duplex.v1.MultimodalOutputs\x12)\n\x07updates\x18\x04 \x03(\x0b\x32\x18.duplex.v1.RequestUpdate\x12\'\n\rheld_sessions\x18\x05 \x03(\x0b\x32\x10.duplex.v1.Fence\x12\x14\n\x0cnext_tick_us\x18\x06 \x01(\r\x12\'\n\x07\x63olumns\x18\x07 \x01(\x0b\x32\x16.duplex.v1.StepColumns\x12\x18\n\x10\x63ommands_applied\x18\x08 \x01(\x04*\xa1\x01\n\x0eSubmissionKind\x12\x1f\n\x1bSUBMISSION_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16SUBMISSION_KIND_APPEND\x10\x01\x12\x1a\n\x16SUBMISSION_KIND_COMMIT\x10\x02\x12\x1b\n\x17SUBMISSION_KIND_RESPOND\x10\x03\x12\x19\n\x15SUBMISSION_KIND_CLEAR\x10\x04*V\n\nOutputType\x12\x1b\n\x17OUTPUT_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_TYPE_AUDIO\x10\x01\x12\x14\n\x10OUTPUT_TYPE_TEXT\x10\x02\x32\xcf\x01\n\x0c\x44uplexWorker\x12\x44\n\x08\x44\x65scribe\x12\x1a.duplex.v1.DescribeRequest\x1a\x1c.duplex.v1.WorkerDescription\x12=\n\x06\x41ttach\x12\x18.duplex.v1.AttachRequest\x1a\x19.duplex.v1.AttachResponse\x12:\n\x03Run\x12\x18.duplex.v1.WorkerCommand\x1a\x15.duplex.v1.StepOutput(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64uplex/v1/worker.proto\x12\tduplex.v1\x1a\x16\x64uplex/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xce\x01\n\x11WorkerDescription\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tmax_batch\x18\x03 \x01(\r\x12,\n\x0c\x61udio_format\x18\x04 \x01(\x0b\x32\x16.duplex.v1.AudioFormat\x12\x15\n\rframe_samples\x18\x05 \x01(\r\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x16\n\x0e\x61ppend_columns\x18\x08 \x01(\x08\"g\n\rAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x10\n\x08takeover\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"0\n\x0e\x41ttachResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\"\xdf\x01\n\nSubmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\x12\'\n\x04kind\x18\x03 \x01(\x0e\x32\x19.duplex.v1.SubmissionKind\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0b\n\x03pcm\x18\x05 \x01(\x0c\x12\'\n\x06params\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0e\n\x06replay\x18\x07 \x01(\x08\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x12\n\ntext_final\x18\t \x01(\x08\"`\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nkeep_input\x18\x04 \x01(\x08\"N\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\"\xcc\x01\n\rWorkerCommand\x12\r\n\x05owner\x18\x01 \x01(\t\x12%\n\x06submit\x18\x02 \x03(\x0b\x32\x15.duplex.v1.Submission\x12\x1f\n\x05\x61\x62ort\x18\x03 \x03(\x0b\x32\x10.duplex.v1.Abort\x12#\n\x07release\x18\x04 \x03(\x0b\x32\x12.duplex.v1.Release\x12\x14\n\x0cstep_columns\x18\x05 \x01(\x08\x12)\n\x07\x61ppends\x18\x06 \x01(\x0b\x32\x18.duplex.v1.AppendColumns\"\x91\x01\n\rAppendColumns\x12\x12\n\nrequest_id\x18\x01 \x03(\t\x12\x12\n\nsession_id\x18\x02 \x03(\t\x12\r\n\x05\x65poch\x18\x03 \x03(\x04\x12\x0f\n\x07turn_id\x18\x04 \x03(\x04\x12\x0b\n\x03seq\x18\x05 \x03(\x04\x12\x0e\n\x06\x66rames\x18\x06 \x03(\r\x12\x0b\n\x03pcm\x18\x07 \x01(\x0c\x12\x0e\n\x06replay\x18\x08 \x03(\x08\"h\n\x0bStepColumns\x12\x12\n\nrequest_id\x18\x01 \x03(\t\x12\x12\n\nsession_id\x18\x02 \x03(\t\x12\r\n\x05\x65poch\x18\x03 \x03(\x04\x12\x0f\n\x07turn_id\x18\x04 \x03(\x04\x12\x11\n\tinput_seq\x18\x05 \x03(\x04\"A\n\nBatchEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\"\x8d\x01\n\x11MultimodalOutputs\x12*\n\x0boutput_type\x18\x01 \x01(\x0e\x32\x15.duplex.v1.OutputType\x12\x14\n\x0csparse_audio\x18\x02 \x01(\x08\x12\x0e\n\x06req_id\x18\x03 \x03(\t\x12&\n\x05\x61udio\x18\x04 \x03(\x0b\x32\x17.duplex.v1.AudioPayload\"\x99\x01\n\x08VadEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.duplex.v1.VadEvent.Kind\x12\x15\n\rsample_offset\x18\x02 \x01(\x04\"N\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13KIND_SPEECH_STARTED\x10\x01\x12\x17\n\x13KIND_SPEECH_STOPPED\x10\x02\",\n\x0bWorkerError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd7\x02\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x10.duplex.v1.Fence\x12 \n\x03vad\x18\x03 \x03(\x0b\x32\x13.duplex.v1.VadEvent\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\tinput_seq\x18\x05 \x01(\x04\x12\x12\n\nturn_ended\x18\x06 \x01(\x08\x12\x18\n\x10response_started\x18\x07 \x01(\x08\x12\x19\n\x11response_finished\x18\x08 \x01(\x08\x12%\n\x05\x65rror\x18\t \x01(\x0b\x32\x16.duplex.v1.WorkerError\x12\x19\n\x11\x63ommitted_samples\x18\n \x01(\x04\x12\x11\n\tuser_text\x18\x0b \x01(\t\x12\x1c\n\x0fuser_transcript\x18\x0c \x01(\tH\x00\x88\x01\x01\x42\x12\n\x10_user_transcript\"\x9c\x02\n\nStepOutput\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12$\n\x05\x62\x61tch\x18\x02 \x03(\x0b\x32\x15.duplex.v1.BatchEntry\x12-\n\x07outputs\x18\x03 \x01(\x0b\x32\x1c.duplex.v1.MultimodalOutputs\x12)\n\x07updates\x18\x04 \x03(\x0b\x32\x18.duplex.v1.RequestUpdate\x12\'\n\rheld_sessions\x18\x05 \x03(\x0b\x32\x10.duplex.v1.Fence\x12\x14\n\x0cnext_tick_us\x18\x06 \x01(\r\x12\'\n\x07\x63olumns\x18\x07 \x01(\x0b\x32\x16.duplex.v1.StepColumns\x12\x18\n\x10\x63ommands_applied\x18\x08 \x01(\x04*\xbb\x01\n\x0eSubmissionKind\x12\x1f\n\x1bSUBMISSION_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16SUBMISSION_KIND_APPEND\x10\x01\x12\x1a\n\x16SUBMISSION_KIND_COMMIT\x10\x02\x12\x1b\n\x17SUBMISSION_KIND_RESPOND\x10\x03\x12\x19\n\x15SUBMISSION_KIND_CLEAR\x10\x04\x12\x18\n\x14SUBMISSION_KIND_TEXT\x10\x05*V\n\nOutputType\x12\x1b\n\x17OUTPUT_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_TYPE_AUDIO\x10\x01\x12\x14\n\x10OUTPUT_TYPE_TEXT\x10\x02\x32\xcf\x01\n\x0c\x44uplexWorker\x12\x44\n\x08\x44\x65scribe\x12\x1a.duplex.v1.DescribeRequest\x1a\x1c.duplex.v1.WorkerDescription\x12=\n\x06\x41ttach\x12\x18.duplex.v1.AttachRequest\x1a\x19.duplex.v1.AttachResponse\x12:\n\x03Run\x12\x18.duplex.v1.WorkerCommand\x1a\x15.duplex.v1.StepOutput(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duplex.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBMISSIONKIND']._serialized_start=2283
-  _globals['_SUBMISSIONKIND']._serialized_end=2444
-  _globals['_OUTPUTTYPE']._serialized_start=2446
-  _globals['_OUTPUTTYPE']._serialized_end=2532
+  _globals['_SUBMISSIONKIND']._serialized_start=2386
+  _globals['_SUBMISSIONKIND']._serialized_end=2573
+  _globals['_OUTPUTTYPE']._serialized_start=2575
+  _globals['_OUTPUTTYPE']._serialized_end=2661
   _globals['_DESCRIBEREQUEST']._serialized_start=91
   _globals['_DESCRIBEREQUEST']._serialized_end=108
   _globals['_WORKERDESCRIPTION']._serialized_start=111
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHRESPONSE']._serialized_start=424
   _globals['_ATTACHRESPONSE']._serialized_end=472
   _globals['_SUBMISSION']._serialized_start=475
-  _globals['_SUBMISSION']._serialized_end=664
-  _globals['_ABORT']._serialized_start=666
-  _globals['_ABORT']._serialized_end=762
-  _globals['_RELEASE']._serialized_start=764
-  _globals['_RELEASE']._serialized_end=842
-  _globals['_WORKERCOMMAND']._serialized_start=845
-  _globals['_WORKERCOMMAND']._serialized_end=1049
-  _globals['_APPENDCOLUMNS']._serialized_start=1052
-  _globals['_APPENDCOLUMNS']._serialized_end=1197
-  _globals['_STEPCOLUMNS']._serialized_start=1199
-  _globals['_STEPCOLUMNS']._serialized_end=1303
-  _globals['_BATCHENTRY']._serialized_start=1305
-  _globals['_BATCHENTRY']._serialized_end=1370
-  _globals['_MULTIMODALOUTPUTS']._serialized_start=1373
-  _globals['_MULTIMODALOUTPUTS']._serialized_end=1514
-  _globals['_VADEVENT']._serialized_start=1517
-  _globals['_VADEVENT']._serialized_end=1670
-  _globals['_VADEVENT_KIND']._serialized_start=1592
-  _globals['_VADEVENT_KIND']._serialized_end=1670
-  _globals['_WORKERERROR']._serialized_start=1672
-  _globals['_WORKERERROR']._serialized_end=1716
-  _globals['_REQUESTUPDATE']._serialized_start=1719
-  _globals['_REQUESTUPDATE']._serialized_end=1993
-  _globals['_STEPOUTPUT']._serialized_start=1996
-  _globals['_STEPOUTPUT']._serialized_end=2280
-  _globals['_DUPLEXWORKER']._serialized_start=2535
-  _globals['_DUPLEXWORKER']._serialized_end=2742
+  _globals['_SUBMISSION']._serialized_end=698
+  _globals['_ABORT']._serialized_start=700
+  _globals['_ABORT']._serialized_end=796
+  _globals['_RELEASE']._serialized_start=798
+  _globals['_RELEASE']._serialized_end=876
+  _globals['_WORKERCOMMAND']._serialized_start=879
+  _globals['_WORKERCOMMAND']._serialized_end=1083
+  _globals['_APPENDCOLUMNS']._serialized_start=1086
+  _globals['_APPENDCOLUMNS']._serialized_end=1231
+  _globals['_STEPCOLUMNS']._serialized_start=1233
+  _globals['_STEPCOLUMNS']._serialized_end=1337
+  _globals['_BATCHENTRY']._serialized_start=1339
+  _globals['_BATCHENTRY']._serialized_end=1404
+  _globals['_MULTIMODALOUTPUTS']._serialized_start=1407
+  _globals['_MULTIMODALOUTPUTS']._serialized_end=1548
+  _globals['_VADEVENT']._serialized_start=1551
+  _globals['_VADEVENT']._serialized_end=1704
+  _globals['_VADEVENT_KIND']._serialized_start=1626
+  _globals['_VADEVENT_KIND']._serialized_end=1704
+  _globals['_WORKERERROR']._serialized_start=1706
+  _globals['_WORKERERROR']._serialized_end=1750
+  _globals['_REQUESTUPDATE']._serialized_start=1753
+  _globals['_REQUESTUPDATE']._serialized_end=2096
+  _globals['_STEPOUTPUT']._serialized_start=2099
+  _globals['_STEPOUTPUT']._serialized_end=2383
+  _globals['_DUPLEXWORKER']._serialized_start=2664
+  _globals['_DUPLEXWORKER']._serialized_end=2871
 # @@protoc_insertion_point(module_scope)

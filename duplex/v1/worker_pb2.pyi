@@ -46,6 +46,13 @@ class _SubmissionKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Submis
     """Start a response for `fence.turn_id` from the committed input."""
     SUBMISSION_KIND_CLEAR: _SubmissionKind.ValueType  # 4
     """Discard input appended since the last commit."""
+    SUBMISSION_KIND_TEXT: _SubmissionKind.ValueType  # 5
+    """Text input of a stage that takes text (a responder, a speech synthesizer):
+    `text`, a piece of the input of the response for `fence.turn_id`, in
+    order; `text_final` on the last piece. It may come before or after that
+    response's RESPOND (a stage fed sentence by sentence starts speaking on
+    the first).
+    """
 
 class SubmissionKind(_SubmissionKind, metaclass=_SubmissionKindEnumTypeWrapper):
     """What a submission asks of the model."""
@@ -61,6 +68,13 @@ SUBMISSION_KIND_RESPOND: SubmissionKind.ValueType  # 3
 """Start a response for `fence.turn_id` from the committed input."""
 SUBMISSION_KIND_CLEAR: SubmissionKind.ValueType  # 4
 """Discard input appended since the last commit."""
+SUBMISSION_KIND_TEXT: SubmissionKind.ValueType  # 5
+"""Text input of a stage that takes text (a responder, a speech synthesizer):
+`text`, a piece of the input of the response for `fence.turn_id`, in
+order; `text_final` on the last piece. It may come before or after that
+response's RESPOND (a stage fed sentence by sentence starts speaking on
+the first).
+"""
 Global___SubmissionKind: _TypeAlias = SubmissionKind  # noqa: Y015
 
 class _OutputType:
@@ -243,6 +257,8 @@ class Submission(_message.Message):
     PCM_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TEXT_FINAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Owner-chosen request id, unique within the owner. Outputs are keyed by it."""
     kind: Global___SubmissionKind.ValueType
@@ -259,6 +275,10 @@ class Submission(_message.Message):
     input (and counted in `input_seq`), but its VAD events, text and turn
     ends are not reported again.
     """
+    text: _builtins.str
+    """TEXT: the piece of text."""
+    text_final: _builtins.bool
+    """TEXT: the last piece of the turn's input."""
     @_builtins.property
     def fence(self) -> _common_pb2.Fence:
         """The fence the work runs under. Below the session's highest accepted
@@ -282,10 +302,12 @@ class Submission(_message.Message):
         pcm: _builtins.bytes = ...,
         params: _struct_pb2.Struct | None = ...,
         replay: _builtins.bool = ...,
+        text: _builtins.str = ...,
+        text_final: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "kind", b"kind", "params", b"params", "pcm", b"pcm", "replay", b"replay", "request_id", b"request_id", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "kind", b"kind", "params", b"params", "pcm", b"pcm", "replay", b"replay", "request_id", b"request_id", "seq", b"seq", "text", b"text", "text_final", b"text_final"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -701,6 +723,8 @@ class RequestUpdate(_message.Message):
     RESPONSE_FINISHED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     COMMITTED_SAMPLES_FIELD_NUMBER: _builtins.int
+    USER_TEXT_FIELD_NUMBER: _builtins.int
+    USER_TRANSCRIPT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     text: _builtins.str
@@ -717,6 +741,15 @@ class RequestUpdate(_message.Message):
     """The response for fence.turn_id produced its last output this step."""
     committed_samples: _builtins.int
     """Samples per channel of input committed with `turn_ended` or COMMIT."""
+    user_text: _builtins.str
+    """A speech recognizer's words of the user heard this step: the next piece
+    of the current turn's transcript (pieces are not taken back).
+    """
+    user_transcript: _builtins.str
+    """With `turn_ended` or a COMMIT's answer, from a model that recognizes
+    speech: the committed turn's whole transcript, as the recognizer settled
+    it (it may word what `user_text` said differently; empty: no words heard).
+    """
     @_builtins.property
     def fence(self) -> _common_pb2.Fence:
         """The fence the news belongs to."""
@@ -742,12 +775,16 @@ class RequestUpdate(_message.Message):
         response_finished: _builtins.bool = ...,
         error: Global___WorkerError | None = ...,
         committed_samples: _builtins.int = ...,
+        user_text: _builtins.str = ...,
+        user_transcript: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "fence", b"fence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_user_transcript", b"_user_transcript", "error", b"error", "fence", b"fence", "user_transcript", b"user_transcript"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_samples", b"committed_samples", "error", b"error", "fence", b"fence", "input_seq", b"input_seq", "request_id", b"request_id", "response_finished", b"response_finished", "response_started", b"response_started", "text", b"text", "turn_ended", b"turn_ended", "vad", b"vad"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_user_transcript", b"_user_transcript", "committed_samples", b"committed_samples", "error", b"error", "fence", b"fence", "input_seq", b"input_seq", "request_id", b"request_id", "response_finished", b"response_finished", "response_started", b"response_started", "text", b"text", "turn_ended", b"turn_ended", "user_text", b"user_text", "user_transcript", b"user_transcript", "vad", b"vad"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__user_transcript: _TypeAlias = _typing.Literal["user_transcript"]  # noqa: Y015
+    _WhichOneofArgType__user_transcript: _TypeAlias = _typing.Literal["_user_transcript", b"_user_transcript"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__user_transcript) -> _WhichOneofReturnType__user_transcript | None: ...
 
 Global___RequestUpdate: _TypeAlias = RequestUpdate  # noqa: Y015
 

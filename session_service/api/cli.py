@@ -38,6 +38,14 @@ def _parser() -> argparse.ArgumentParser:
         "is a worker, re-resolved while running; dns://DNS_IP[:PORT]/NAME:PORT asks that DNS server)",
     )
     p.add_argument(
+        "--stage-workers",
+        action="append",
+        default=[],
+        metavar="STAGE=WORKERS",
+        help="a plugin served in stages: the workers of a later stage, as --workers takes them "
+        "(repeat for each stage; the first stage's are --workers)",
+    )
+    p.add_argument(
         "--workers-resolve-interval-s",
         type=float,
         default=DEFAULT_RESOLVE_INTERVAL_S,
@@ -251,8 +259,15 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
     if args.workers_resolve_interval_s <= 0:
         raise SystemExit("duplex session: --workers-resolve-interval-s must be positive")
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    stage_workers: dict[str, tuple[str, ...]] = {}
     try:
         parse_workers(workers, max_workers=args.max_workers)
+        for spec in args.stage_workers:
+            name, sep, listed = spec.partition("=")
+            if not sep or not name.strip() or name.strip() in stage_workers:
+                raise WorkersSpecError(f"--stage-workers takes STAGE=WORKERS, once per stage: {spec!r}")
+            stage_workers[name.strip()] = tuple(w.strip() for w in listed.split(",") if w.strip())
+            parse_workers(stage_workers[name.strip()], max_workers=args.max_workers)
     except WorkersSpecError as exc:
         raise SystemExit(f"duplex session: {exc}") from exc
     try:
@@ -291,6 +306,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
     return ServiceConfig(
         plugin=args.plugin,
         workers=workers,
+        stage_workers=tuple(stage_workers.items()),
         workers_resolve_interval_s=args.workers_resolve_interval_s,
         max_workers=args.max_workers,
         listen=args.listen,

@@ -35,7 +35,7 @@ from duplex.v1 import session_pb2_grpc
 from session_service.api.admission import AdmissionInterceptor, CallLedger, CallLimits
 from session_service.api.servicer import SERVICE_NAME, DuplexSessionServicer
 from session_service.config import ServiceConfig
-from session_service.plugin import DuplexModelPlugin
+from session_service.plugin import DuplexModelPlugin, PluginLoadError, Stage
 from session_service.session.manager import SessionManager
 from session_service.trust.auth import authenticator_for
 from session_service.workers.discovery import DnsTarget, WorkerDiscovery, parse_workers
@@ -49,6 +49,27 @@ log = logging.getLogger(__name__)
 
 def _announce_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def later_stages(config: ServiceConfig, plugin: DuplexModelPlugin) -> list[tuple[Stage, tuple[str, ...]]]:
+    """Each later stage of the plugin with its workers (``--stage-workers``); raises
+    ``PluginLoadError`` for a stage without workers or workers of a stage the plugin lacks."""
+    given = dict(config.stage_workers)
+    later = plugin.stages[1:]
+    unknown = sorted(set(given) - {stage.name for stage in later})
+    if unknown:
+        names = ", ".join(s.name for s in later) or "none: it is served by one model"
+        raise PluginLoadError(
+            f"--stage-workers names {', '.join(unknown)}, not a later stage of plugin "
+            f"{plugin.plugin_id!r} (its later stages: {names})"
+        )
+    missing = [stage.name for stage in later if not given.get(stage.name)]
+    if missing:
+        raise PluginLoadError(
+            f"plugin {plugin.plugin_id!r} is served in stages: give the workers of "
+            + ", ".join(f"--stage-workers {name}=HOST:PORT" for name in missing)
+        )
+    return [(stage, given[stage.name]) for stage in later]
 
 
 class SessionServer:
@@ -66,24 +87,13 @@ class SessionServer:
         )
         self.registry = SessionRegistry()
         self.router = Router(self.registry)
-        # The workers: a static list, or a DNS name whose answers add and remove links.
-        workers = parse_workers(config.workers, max_workers=config.max_workers)
-        dns_target = workers if isinstance(workers, DnsTarget) else None
-        # A discovered worker is dialled at its address; its certificate carries the name.
-        self._tls_name = dns_target.host if dns_target is not None else None
-        self.discovery: WorkerDiscovery | None = None
-        self.pool: WorkerPool[WorkerLink] = WorkerPool(
-            () if isinstance(workers, DnsTarget) else workers,
-            link_factory=self._link,
-            attach_timeout_s=config.attach_timeout_s,
-        )
-        if dns_target is not None:
-            self.discovery = WorkerDiscovery(
-                dns_target,
-                self.pool.update,
-                interval_s=config.workers_resolve_interval_s,
-                max_workers=config.max_workers,
-            )
+        self._discoveries: list[tuple[WorkerPool[WorkerLink], WorkerDiscovery]] = []
+        # The workers: a static list, or a DNS name whose answers add and remove links; a plugin
+        # served in stages has a pool per stage.
+        self.pool, self.discovery = self._pool(config.workers, None)
+        self.stage_pools: dict[str, WorkerPool[WorkerLink]] = {}
+        for stage, workers in later_stages(config, plugin):
+            self.stage_pools[stage.name] = self._pool(workers, stage)[0]
         # Placement for runners and resumes; a resumed session moved off the worker its token
         # names is evicted there.
         self.evictor = Evictor(
@@ -98,6 +108,7 @@ class SessionServer:
             config=config,
             registry=self.registry,
             placer=self.evictor.place,
+            stage_placers={name: pool.place for name, pool in self.stage_pools.items()},
             resume_max_age_s=config.resume_max_age_s,
             clock=clock,
         )
@@ -111,7 +122,41 @@ class SessionServer:
         self._health: Health | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def _link(self, address: str, on_health: Callable[[], None]) -> WorkerLink:
+    def _pool(
+        self, listed: tuple[str, ...], stage: Stage | None
+    ) -> tuple[WorkerPool[WorkerLink], WorkerDiscovery | None]:
+        """The pool of the plugin's first (or only) model's workers, or of a later ``stage``'s."""
+        config = self.config
+        workers = parse_workers(listed, max_workers=config.max_workers)
+        dns_target = workers if isinstance(workers, DnsTarget) else None
+        # A discovered worker is dialled at its address; its certificate carries the name.
+        tls_name = dns_target.host if dns_target is not None else None
+        made: list[WorkerPool[WorkerLink]] = []  # the pool, for its links' claims (made after them)
+        pool: WorkerPool[WorkerLink] = WorkerPool(
+            () if isinstance(workers, DnsTarget) else workers,
+            link_factory=lambda address, on_health: self._link(address, on_health, made, tls_name, stage),
+            attach_timeout_s=config.attach_timeout_s,
+        )
+        made.append(pool)
+        discovery = None
+        if dns_target is not None:
+            discovery = WorkerDiscovery(
+                dns_target,
+                pool.update,
+                interval_s=config.workers_resolve_interval_s,
+                max_workers=config.max_workers,
+            )
+            self._discoveries.append((pool, discovery))
+        return pool, discovery
+
+    def _link(
+        self,
+        address: str,
+        on_health: Callable[[], None],
+        pool: list[WorkerPool[WorkerLink]],
+        tls_name: str | None,
+        stage: Stage | None,
+    ) -> WorkerLink:
         # Mutual TLS towards the workers: each link re-reads the files when it makes a channel.
         tls = self.config.worker_tls
         return WorkerLink(
@@ -126,17 +171,22 @@ class SessionServer:
             write_coalesce_s=self.config.worker_write_coalesce_ms / 1000,
             clock=self._clock,
             credentials=ChannelCredentials(tls) if tls is not None else None,
-            tls_name=self._tls_name,
+            tls_name=tls_name,
             # Late-bound: the pool calls this factory while it is being made.
-            claim=lambda link, worker_id: self.pool.claim(link, worker_id),
-            release=lambda link: self.pool.release(link),
+            claim=lambda link, worker_id: pool[0].claim(link, worker_id),
+            release=lambda link: pool[0].release(link),
+            stage=stage,
         )
+
+    def _pools(self) -> list[WorkerPool[WorkerLink]]:
+        return [self.pool, *self.stage_pools.values()]
 
     def _link_lost(self, link: WorkerLink) -> None:
         self.router.on_link_lost(link)
         # The worker may have moved: look again now (not for a link discovery itself removed).
-        if self.discovery is not None and self.pool.links.get(link.address) is link:
-            self.discovery.nudge()
+        for pool, discovery in self._discoveries:
+            if pool.links.get(link.address) is link:
+                discovery.nudge()
 
     @property
     def address(self) -> str:
@@ -178,10 +228,11 @@ class SessionServer:
         await health.set_alive(True)
         if self.config.health_listen:
             self._health_server, self.health_port = await health.serve_plaintext(self.config.health_listen)
-        self.pool.health_listeners.append(self._workers_changed)
-        self.pool.start()
-        if self.discovery is not None:
-            self.discovery.start()
+        for pool in self._pools():
+            pool.health_listeners.append(self._workers_changed)
+            pool.start()
+        for _, discovery in self._discoveries:
+            discovery.start()
         log.info(
             "session service %s: plugin %s, workers %s, %s, %s",
             self.config.replica_id,
@@ -192,11 +243,18 @@ class SessionServer:
         )
 
     async def wait_ready(self, within_s: float) -> bool:
-        """Whether a worker of the plugin's model became reachable within ``within_s``."""
-        return await self.pool.wait_ready(within_s)
+        """Whether a worker of the plugin's model (of each of its stages) became reachable within
+        ``within_s``."""
+        deadline = self._clock.now() + within_s
+        for pool in self._pools():
+            if not await pool.wait_ready(max(0.0, deadline - self._clock.now())):
+                return False
+        return True
 
     def _workers_changed(self, ok: bool) -> None:
-        # SERVING only with a reachable worker of the plugin's model, and never while draining.
+        # SERVING only with a reachable worker of the plugin's model (of each of its stages), and
+        # never while draining.
+        ok = ok and all(pool.ready for pool in self._pools())
         if self._health is not None:
             self._spawn(self._health.set(ok and not self.draining))
 
@@ -228,10 +286,11 @@ class SessionServer:
             await self._server.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(None)
-        if self.discovery is not None:
-            await self.discovery.close()
+        for _, discovery in self._discoveries:
+            await discovery.close()
         await self.evictor.close()
-        await self.pool.close()
+        for pool in self._pools():
+            await pool.close()
         for task in list(self._tasks):
             task.cancel()
         if self.metrics is not None:

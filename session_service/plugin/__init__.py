@@ -8,8 +8,9 @@ advertises a ``model_id``; the plugin refuses any other.
 
 Everything a plugin author needs is importable from here; the private modules hold the parts:
 ``_types`` (capabilities, settings, decisions), ``_pcm_buffer`` (client PCM to worker frames),
-``_data_plane`` (step outputs to client events), ``_base`` (the plugin class and its per-session
-state), ``_loader`` (loading and validation), ``_errors``.
+``_data_plane`` (step outputs to client events), ``_stages`` (models served in stages),
+``_base`` (the plugin class and its per-session state), ``_loader`` (loading and validation),
+``_errors``.
 """
 
 from duplex.fence import Fence
@@ -18,6 +19,7 @@ from session_service.plugin._data_plane import DataPlane, PcmDataPlane, Response
 from session_service.plugin._errors import PluginLoadError, RuntimeConfigError, reject_private_runtime_keys
 from session_service.plugin._loader import check_worker, load_plugin, validate_plugin
 from session_service.plugin._pcm_buffer import AppendReservation, FramePacketizer, PcmAppendBuffer
+from session_service.plugin._stages import Flow, Stage, split_sentences
 from session_service.plugin._types import (
     Capabilities,
     OutputAction,
@@ -32,6 +34,7 @@ __all__ = [
     "DataPlane",
     "DuplexModelPlugin",
     "Fence",
+    "Flow",
     "FramePacketizer",
     "ModelSessionState",
     "OutputAction",
@@ -43,9 +46,11 @@ __all__ = [
     "ResponseProjection",
     "RuntimeConfigError",
     "SessionSettings",
+    "Stage",
     "TurnDetection",
     "check_worker",
     "load_plugin",
     "reject_private_runtime_keys",
+    "split_sentences",
     "validate_plugin",
 ]

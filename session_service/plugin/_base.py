@@ -13,6 +13,7 @@ from duplex.fence import Fence
 from duplex.v1 import worker_pb2
 from session_service.plugin._data_plane import DataPlane
 from session_service.plugin._pcm_buffer import FramePacketizer, PcmAppendBuffer
+from session_service.plugin._stages import Stage, split_sentences
 from session_service.plugin._types import (
     Capabilities,
     OutputAction,
@@ -83,6 +84,10 @@ class DuplexModelPlugin(ABC):
     that presume turns (commit, clear, response.create, barge_in) are refused with
     ``unsupported_by_model``. Such a model's state is the whole conversation: it is not
     ``replayable``, and a lost worker resets its context (``context_reset``)."""
+    stages: tuple[Stage, ...] = ()
+    """The model served in stages, in order (``session_service.plugin._stages``); empty: one
+    worker model (``model_id``). The first is ``model_id``'s, fed the session's input; each
+    later one is placed on its own pool of workers. ``sampling_defaults`` has one per stage."""
     replay_window_s: float = 15.0
     """How much input the model's state depends on (the parrot keeps at most 15 s of utterance):
     the session keeps at most this much of the committed input a response answers and as much
@@ -224,6 +229,37 @@ class DuplexModelPlugin(ABC):
             subs.append(sub)
             seq += 1
         return subs
+
+    # ---- stages (a plugin with ``stages``) ----
+
+    def stage_params(
+        self,
+        stage: Stage,
+        *,
+        settings: SessionSettings,
+        runtime_config: Mapping[str, object],
+        sampling: object,
+    ) -> dict[str, Any]:
+        """The worker's model options of a later stage for this session (``sampling``: that
+        stage's entry of the sampling tuple); the first stage's are ``worker_params``."""
+        del stage, settings, runtime_config, sampling
+        return {}
+
+    def forward_text(self, stage: Stage, text: str, *, final: bool) -> tuple[list[str], str]:
+        """What of ``stage``'s text, given so far and not yet handed on, the next stage gets now
+        (pieces, each its own TEXT submission) and what waits for more; ``final``: the stage
+        finished, hand on everything. Default: whole sentences (a TTS stage speaks each as soon as
+        it is there; the first reply audio waits for one sentence, not for the whole reply)."""
+        del stage
+        return split_sentences(text, final)
+
+    def draining_stages(self, runtime_config: Mapping[str, object]) -> frozenset[str]:
+        """Stages whose reply may go on while the user's next turn starts (the contract's
+        concurrent turns): once every other stage finished its part of the reply, speech does not
+        barge in on it; the next turn is heard, committed and answered after it, and nothing of
+        it is cancelled. Default: none (speech during any stage's part barges in)."""
+        del runtime_config
+        return frozenset()
 
     def decide_output(self, update: worker_pb2.RequestUpdate) -> OutputDecision | None:
         """What an update means for the active response (None: nothing)."""

@@ -10,6 +10,7 @@ from duplex.v1 import worker_pb2
 from session_service.plugin._base import DuplexModelPlugin
 from session_service.plugin._data_plane import DataPlane
 from session_service.plugin._errors import PluginLoadError
+from session_service.plugin._stages import STAGE_NAME, Flow, Stage
 
 
 def load_plugin(path: str) -> DuplexModelPlugin:
@@ -52,9 +53,15 @@ def validate_plugin(plugin: DuplexModelPlugin) -> None:
     if plugin.model_native and plugin.replayable:
         # Its state is the whole conversation: replaying a turn's input cannot rebuild it.
         raise PluginLoadError(f"plugin {name}: a model-native model cannot be replayable")
+    _validate_stages(plugin, name)
     defaults = plugin.sampling_defaults
     if not isinstance(defaults, tuple) or not defaults:
         raise PluginLoadError(f"plugin {name} must declare sampling_defaults, one per stage")
+    if plugin.stages and len(defaults) != len(plugin.stages):
+        raise PluginLoadError(
+            f"plugin {name} must declare sampling_defaults, one per stage "
+            f"({len(plugin.stages)} stages, {len(defaults)} defaults)"
+        )
     configured = plugin.configure_sampling_params(runtime_config={}, defaults=defaults)
     if not isinstance(configured, tuple):
         raise PluginLoadError(f"plugin {name} must return sampling parameters as a tuple")
@@ -71,11 +78,46 @@ def validate_plugin(plugin: DuplexModelPlugin) -> None:
             )
 
 
-def check_worker(plugin: DuplexModelPlugin, desc: worker_pb2.WorkerDescription) -> None:
-    """Refuse a worker that serves another model or another frame format."""
-    if desc.model_id != plugin.model_id:
+def _validate_stages(plugin: DuplexModelPlugin, name: str) -> None:
+    """The stages a session can drive: the first listens to the session's input (its part of a
+    turn is the transcript), the middle ones take and give text, the last gives the reply's audio."""
+    stages = plugin.stages
+    if not stages:
+        return
+    if not isinstance(stages, tuple) or not all(isinstance(s, Stage) for s in stages) or len(stages) < 2:
+        raise PluginLoadError(f"plugin {name}: stages must be a tuple of at least two Stage")
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names) or not all(STAGE_NAME.match(n) for n in names):
+        raise PluginLoadError(f"plugin {name}: stage names must be unique and match {STAGE_NAME.pattern}")
+    first, last = stages[0], stages[-1]
+    if first.model_id != plugin.model_id or first.takes is not Flow.AUDIO or first.responds:
+        # A first stage that replies itself (a Thinker fed audio) is not driven yet: its text
+        # would have to be handed on from the session's own worker output.
         raise PluginLoadError(
-            f"worker serves model {desc.model_id!r}, plugin {plugin.plugin_id!r} needs {plugin.model_id!r}",
+            f"plugin {name}: the first stage must be the plugin's model_id, take audio and not respond"
+        )
+    if plugin.model_native:
+        raise PluginLoadError(f"plugin {name}: a model-native model is not served in stages")
+    for stage in stages[1:]:
+        if stage.takes is not Flow.TEXT or not stage.responds:
+            raise PluginLoadError(f"plugin {name}: stage {stage.name!r} must take text and respond")
+    for stage in stages[:-1]:
+        if stage.gives is not Flow.TEXT:
+            raise PluginLoadError(f"plugin {name}: stage {stage.name!r} must give text (not the last)")
+    if last.gives is not Flow.AUDIO:
+        raise PluginLoadError(f"plugin {name}: the last stage must give the reply's audio")
+
+
+def check_worker(
+    plugin: DuplexModelPlugin, desc: worker_pb2.WorkerDescription, stage: Stage | None = None
+) -> None:
+    """Refuse a worker that serves another model (the plugin's, or ``stage``'s) or another frame
+    format (every stage of a plugin works in the plugin's frames)."""
+    model_id = plugin.model_id if stage is None else stage.model_id
+    if desc.model_id != model_id:
+        needs = f"plugin {plugin.plugin_id!r}" + (f" stage {stage.name!r}" if stage is not None else "")
+        raise PluginLoadError(
+            f"worker serves model {desc.model_id!r}, {needs} needs {model_id!r}",
             code=ErrorCode.MODEL_MISMATCH,
         )
     if desc.frame_samples and desc.frame_samples != plugin.frame_samples:

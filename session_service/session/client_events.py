@@ -25,7 +25,7 @@ from session_service.session.failover import Failover
 from session_service.session.lifecycle import CloseReason, InputStatus, SeqStatus, TurnStatus
 from session_service.session.mailbox import Mailbox
 from session_service.session.settings import settings_from_proto, struct_to_dict
-from session_service.session.state import WorkerHandle
+from session_service.session.worker_handle import WorkerHandle
 
 COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
 CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR

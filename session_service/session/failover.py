@@ -20,7 +20,8 @@ from session_service.metrics import FAILOVERS, REPLAYED_FRAMES, RESTARTED_RESPON
 from session_service.plugin import ReplayStep
 from session_service.session.lifecycle import CloseReason, InputStatus, TurnStatus
 from session_service.session.replay import Marker
-from session_service.session.state import FAILED, Restart, SessionState, WorkerHandle
+from session_service.session.state import FAILED, Restart, SessionState
+from session_service.session.worker_handle import WorkerHandle
 from session_service.session.worker_output import WorkerOutput
 
 #: Frames per APPEND of a replay (a replay is many frames; one message per frame would be waste).
@@ -79,7 +80,8 @@ class Failover(SessionState):
             if all(left is not link for left in self._left):
                 self._left.append(link)
             self.reset_acks()  # the input is the session's to replay now
-            resp = self._end_response()
+            # A reply of a model served in stages runs on the later stages: it goes on.
+            resp = None if self._plugin.stages else self._end_response()
             if resp is not None:
                 self._restart = Restart(resp.turn_id, resp.params, resp.mark, "worker_lost")
                 self._response_done(resp, FAILED, ErrorCode.WORKER_UNAVAILABLE.value, restarting=True)

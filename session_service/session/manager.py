@@ -1,9 +1,8 @@
 """Opening, resuming, counting and draining the sessions of this replica.
 
-A resume either re-binds the stream to the live runner of this replica or takes the session
-over from another one, rebuilding its settings and runtime config from the signed resume token
-(``session_service.trust.resume_tokens``). Resumes of one session id are serialized (a second
-waits for the first's takeover, then re-binds): a replica never holds two runners of a session.
+A resume re-binds the stream to this replica's live runner or takes the session over from another
+(settings and runtime config from the signed token, ``session_service.trust.resume_tokens``),
+serialized per session id: a replica never holds two runners of a session.
 
 Every token names the worker the session lives on (``ResumeClaims.worker_id``), issued once the
 session is placed and refreshed when it moved. A takeover attaches the session on that worker
@@ -44,7 +43,7 @@ from session_service.config import ServiceConfig
 from session_service.metrics import ACTIVE_SESSIONS
 from session_service.plugin import DuplexModelPlugin, SessionSettings
 from session_service.session.lifecycle import ENDED_FOR_GOOD, CloseReason
-from session_service.session.runner import RunnerDeps, SessionRunner, WorkerHandle
+from session_service.session.runner import Placer, RunnerDeps, SessionRunner, WorkerHandle
 from session_service.session.settings import settings_from_proto, struct_to_dict
 from session_service.trust.auth import ANONYMOUS
 from session_service.trust.resume_tokens import (
@@ -95,20 +94,22 @@ class SessionManager:
         config: ServiceConfig,
         registry: SessionRegistry,
         placer: SessionPlacer,
+        stage_placers: Mapping[str, Placer] | None = None,
         resume_max_age_s: float = DEFAULT_MAX_AGE_S,
         wall_clock: Callable[[], float] = time.time,
         clock: Clock = MONOTONIC,
     ) -> None:
-        """``placer``: places this manager's sessions and its runners' (a plain ``Placer`` to them);
-        ``wall_clock``: Unix time, for tokens' issue times; ``clock``: the runners'."""
+        """``placer``: places sessions (a plain ``Placer`` to runners); ``stage_placers``: each
+        later stage's; ``wall_clock``: Unix time (tokens); ``clock``: the runners'."""
         self._plugin = plugin
         self._cfg = config
         self.registry = registry
         self._placer = placer
+        self._stage_placers = dict(stage_placers or {})
         self._keys = config.resume_keys or ResumeKeys.ephemeral()
         self._max_age_s = resume_max_age_s
         self._issued: dict[str, tuple[str, ResumeClaims]] = {}
-        """The last token ``_current_token`` issued for each session held, with its claims."""
+        """The last token issued for each session held, with its claims (``_current_token``)."""
         self._wall_clock = wall_clock
         self._clock = clock
         self.capabilities = dataclasses.replace(
@@ -123,8 +124,7 @@ class SessionManager:
         # Sessions held and being opened, by principal (``max_sessions_per_principal``).
         self._held: Counter[str] = Counter()
         self._opening_by: Counter[str] = Counter()
-        # Sessions that ended for good here, until their tokens expire (the worker keeps its own
-        # tombstone too; this one holds when the resume would be placed on another worker).
+        # Sessions ended for good here, until their tokens expire (for a resume placed elsewhere).
         self._ended: OrderedDict[str, float] = OrderedDict()
         self._locks: dict[str, _SessionLock] = {}
         # The client's validated open extra_body per live session (the base of its tokens).
@@ -144,6 +144,7 @@ class SessionManager:
             capabilities=self.capabilities,
             config=self._cfg.runner,
             placer=self._placer,
+            stage_placers=self._stage_placers,
             on_closed=self._on_closed,
             clock=self._clock,
             issue_token=self.refresh_resume_token,

@@ -7,6 +7,8 @@
 - ``failover`` (``Failover``): the worker binding, replay, restart, recover.
 - ``client_events`` (``ClientEvents``): the client's events.
 - ``silence`` (``SilenceFeeding``): real-time silence for a model clocked by its input.
+- ``staging`` (``Staging``): a plugin's later stages (``stages``: their workers, each reply's
+  hand-offs).
 - here: the mailbox, the deadlines and dispatch (one asyncio task consumes the mailbox, one
   watches the deadlines), response start, worker output.
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +46,11 @@ from session_service.session.lifecycle import ENDED_FOR_GOOD, CloseReason, DropR
 from session_service.session.mailbox import Mailbox
 from session_service.session.pacing import OutputPacing
 from session_service.session.response import ActiveResponse, SilenceFeeder
-from session_service.session.silence import SilenceFeeding, SilenceRequest
-from session_service.session.state import FAILED, Placer, Restart, WorkerHandle
+from session_service.session.silence import SilenceRequest
+from session_service.session.stages import StagePipeline
+from session_service.session.staging import PlaceStages, Staging
+from session_service.session.state import FAILED, Restart
+from session_service.session.worker_handle import Placer, WorkerHandle
 from session_service.session.worker_output import StepFence, WorkerOutput
 from session_service.trust.auth import ANONYMOUS
 from session_service.trust.resume_tokens import SessionProgress
@@ -103,6 +108,8 @@ class RunnerDeps:
     capabilities: Capabilities
     config: RunnerConfig
     placer: Placer
+    stage_placers: Mapping[str, Placer] = field(default_factory=dict)
+    """A plugin served in stages: each later stage's placer, by stage name."""
     on_closed: Callable[[SessionRunner], None] = field(default=lambda _r: None)
     clock: Clock = MONOTONIC
     issue_token: Callable[[SessionRunner], str] = field(default=lambda r: r.resume_token)
@@ -110,7 +117,7 @@ class RunnerDeps:
     ``response_done`` carry one, so a client always holds one that knows its last response)."""
 
 
-class SessionRunner(SilenceFeeding):
+class SessionRunner(Staging):
     """Owns one session: the asyncio shell (mailbox, deadlines, dispatch) over its layers."""
 
     def __init__(
@@ -152,9 +159,14 @@ class SessionRunner(SilenceFeeding):
         # Worker output is a layer above the state, working on it directly.
         self._output = WorkerOutput(self, deps.plugin, deps.clock)
         self._on_closed = deps.on_closed
-        self._mailbox: Mailbox[_Inbound | SilenceRequest | _Recover | _Wake] = Mailbox(
+        self._mailbox: Mailbox[_Inbound | SilenceRequest | _Recover | PlaceStages | _Wake] = Mailbox(
             max_items=self._cfg.mailbox_size, max_bytes=self._cfg.max_buffer_bytes
         )
+        self._stages = None
+        if deps.plugin.stages:
+            self._stages = StagePipeline(
+                self, deps.plugin, deps.stage_placers, lambda: self._mailbox.put_control(PlaceStages())
+            )
         self._task: asyncio.Task[None] | None = None
         self._deadlines: asyncio.Task[None] | None = None
         self._wake_queued = False
@@ -174,6 +186,8 @@ class SessionRunner(SilenceFeeding):
     def start(self) -> None:
         if self._restart is not None:  # taken over mid-reply: restart it first
             self._mailbox.put_control(_Recover())
+        if self._stages is not None:  # placed now: the first reply does not wait for it
+            self._stages.need_placement()
         if self._plugin.model_native and self._cfg.silence_continuation:
             # The model hears every frame, speaking or not: real-time silence whenever the client
             # falls behind, for the session's life (it ends with the session's tasks).
@@ -298,6 +312,9 @@ class SessionRunner(SilenceFeeding):
                         await self._on_silence(item.response)
                     elif isinstance(item, _Recover):
                         await self._recover()
+                    elif isinstance(item, PlaceStages):
+                        assert self._stages is not None
+                        await self._stages.place(RECOVER_DELAYS_S)
                     else:
                         await self._dispatch(item.event, item.received, item.size)
                 except DuplexError as err:
@@ -317,7 +334,7 @@ class SessionRunner(SilenceFeeding):
             if not self.closed:
                 self._close(CloseReason.INTERNAL_ERROR)
 
-    async def _next_item(self) -> _Inbound | SilenceRequest | _Recover | None:
+    async def _next_item(self) -> _Inbound | SilenceRequest | _Recover | PlaceStages | None:
         item = self._mailbox.get_nowait()
         if item is None:
             item = await self._mailbox.get()
@@ -386,6 +403,9 @@ class SessionRunner(SilenceFeeding):
     ) -> None:
         """Start a response to the committed input: for a new turn, or (``restart``) again for
         the turn of one its worker or replica lost."""
+        if self._stages is not None:
+            self._start_staged(started_at, params, restart)
+            return
         link = self.link
         if link is None or not link.healthy:
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the session's worker is unavailable")

@@ -14,9 +14,9 @@ replay, restart, recover), ``client_events``, ``runner`` (the mailbox, the deadl
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import Any, TypeAlias
 
 from duplex.clock import Clock
 from duplex.errors import BadEventError, DuplexError, ErrorCode
@@ -39,11 +39,9 @@ from session_service.session.lifecycle import (
 from session_service.session.outbound import Outbound
 from session_service.session.replay import Marker, ReplayLog
 from session_service.session.response import ActiveResponse, InputTimeline
+from session_service.session.worker_handle import Placer, WorkerHandle
 from session_service.trust.auth import ANONYMOUS
 from session_service.trust.resume_tokens import SessionProgress
-
-if TYPE_CHECKING:
-    import asyncio
 
 COMPLETED = session_pb2.RESPONSE_STATUS_COMPLETED
 CANCELLED = session_pb2.RESPONSE_STATUS_CANCELLED
@@ -52,30 +50,6 @@ INTERRUPTED = session_pb2.RESPONSE_STATUS_INTERRUPTED
 ACTIVE = session_pb2.RESPONSE_STATUS_UNSPECIFIED
 """A response that has not ended (in ``last_response``)."""
 Status: TypeAlias = session_pb2.ResponseStatus.ValueType
-
-
-class WorkerHandle(Protocol):
-    """The runner's view of the worker its session is placed on (a ``WorkerLink``)."""
-
-    address: str
-    worker_id: str | None  # the worker's own id (Describe), named in resume tokens; None: unknown
-
-    @property
-    def healthy(self) -> bool: ...
-
-    def submit(self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False) -> asyncio.Future[None]:
-        """Queue submissions; the future resolves once they are written to the Run stream.
-        ``prompt``: the client hears of them once written (an ``input_ack``): the link writes
-        them at its next write point, not only once a tick."""
-        ...
-
-    def abort(self, abort: worker_pb2.Abort) -> None: ...
-
-    def release(self, release: worker_pb2.Release) -> None: ...
-
-
-#: (session_id, epoch, takeover) -> (worker, granted epoch); raises a DuplexError.
-Placer = Callable[[str, int, bool], Awaitable[tuple[WorkerHandle, int]]]
 
 
 @dataclass(slots=True)
@@ -141,9 +115,8 @@ class SessionState:
         self.turn_status = TurnStatus.LISTENING
         self.seq_status = SeqStatus.IN_EPOCH
         self._seq_epoch = epoch
-        """The epoch the client's append numbering belongs to: it restarts at 1 only once the
-        client has seen ``audio_cancelled``, so appends it sent before carry on the old one (and
-        are acked in that epoch: acks never go backwards within an epoch)."""
+        """The epoch the client's appends are numbered in: it restarts at 1 only once the client
+        has seen ``audio_cancelled`` (acks never go backwards within an epoch)."""
         self.options_status = OptionsStatus.PENDING  # the first submission carries them
         self.response: ActiveResponse | None = None
         self.link: WorkerHandle | None = None
@@ -178,11 +151,9 @@ class SessionState:
         self._restart: Restart | None = None
         """A response interrupted by the loss of its worker (or replica), to restart for its turn."""
         self._left: list[WorkerHandle] = []
-        """The workers the session was lost from since it was last placed (its turn's input is
-        replayed elsewhere: what they hold of it is reconciled when they are back)."""
+        """Workers the session was lost from since it was last placed (reconciled when back)."""
         self._stale: list[WorkerHandle] = []
-        """Workers that hold model state of a turn given up (``_give_up_turn``): released before
-        the session is placed again (``_release_stale``)."""
+        """Workers holding state of a turn given up: released before the next placement."""
         self.last_response: tuple[str, int, int] | None = None
         """(response id, turn id, ``ResponseStatus``; ACTIVE while it runs) of the last response."""
         if progress is not None:
@@ -229,8 +200,7 @@ class SessionState:
         )
 
     def _idle_timeout_s(self) -> float:
-        # A client may shorten the operator's idle timeout, never extend it: an abandoned
-        # session must not pin capacity longer than the operator allows.
+        # A client may shorten the operator's idle timeout, never extend it.
         return float(min(self.settings.idle_timeout_s or self._cfg.idle_timeout_s, self._cfg.idle_timeout_s))
 
     def _error(self, err: DuplexError, event_id: str = "") -> None:
@@ -320,13 +290,23 @@ class SessionState:
         audio_ms = samples * 1000 // self._plugin.worker_format.sample_rate_hz
         self.emitter.emit("committed", session_pb2.InputCommitted(turn_id=turn_id, audio_ms=audio_ms))
 
-    def turn_ended(self, committed_samples: int) -> None:
-        """The worker's turn detection committed the input; answer it when auto-responding."""
+    def turn_ended(self, committed_samples: int, transcript: str | None = None) -> None:
+        """The worker's turn detection committed the input (``transcript``: its words, from a
+        model that recognizes speech); answer it when auto-responding."""
         self.state.input_since_commit_samples = 0
         self.replay.turn_ended()
         self._committed(self._clock.now(), committed_samples)
+        if transcript is not None:
+            self.transcribed(transcript)
         if self.settings.turn_detection.auto_respond and self.response is None:
             self._start_response(self._commit_at)
+
+    def transcribed(self, transcript: str) -> None:
+        """The words of the turn committed last (a model that recognizes speech)."""
+        turn = self.turn_id + (self.turn_status is TurnStatus.COMMITTED)
+        self.emitter.emit(
+            "input_transcribed", session_pb2.InputTranscribed(turn_id=turn, transcript=transcript)
+        )
 
     def _begin_response(
         self, started_at: float, params: dict[str, Any] | None, restart: Restart | None, native: bool = False
@@ -402,12 +382,13 @@ class SessionState:
             if self.turn_status is TurnStatus.COMMITTED and self.settings.turn_detection.auto_respond:
                 self._start_response(self._clock.now())
 
-    def cancel(self, reason: str) -> None:
-        """Advance the epoch: nothing of the old epoch reaches the client after this returns."""
+    def cancel(self, reason: str, *, to: int = 0) -> None:
+        """Advance the epoch (to ``to`` at least): nothing of the old epoch reaches the client
+        after this returns."""
         resp = self._end_response()
         # The fence moves first, before anything is emitted: even if emitting overflows the
         # outbound queue (the session then closes), no old-epoch audio can follow.
-        old = self._advance_epoch(self.epoch + 1)
+        old = self._advance_epoch(max(self.epoch + 1, to))
         self.input_status = InputStatus.OPEN
         if resp is not None:
             self.replay.answered(resp.mark)
@@ -490,6 +471,10 @@ class SessionState:
 
     def _response_active(self, active: bool) -> None:
         """A response began (True) or ended (False)."""
+
+    def draining(self) -> bool:
+        """The reply is down to stages that may drain under the next turn: no barge-in."""
+        return False
 
     def _rewatch(self) -> None:
         """A deadline moved closer: the shell's deadline watch starts again from it."""

@@ -145,6 +145,7 @@ class WorkerOutput:
         self._plugin = plugin
         self._clock = clock
         self._rate = plugin.worker_format.sample_rate_hz
+        self._frame_bytes = plugin.worker_format.frame_bytes
         self.speech = SpeechStatus.SILENT
 
     def handle(
@@ -199,7 +200,10 @@ class WorkerOutput:
                     "speech_started",
                     session_pb2.SpeechStarted(audio_ms=vad.sample_offset * 1000 // self._rate),
                 )
-                if barges_in(u.fence, s.response, enabled=s.settings.turn_detection.barge_in):
+                if (
+                    barges_in(u.fence, s.response, enabled=s.settings.turn_detection.barge_in)
+                    and not s.draining()
+                ):
                     s.cancel("barge_in")
             elif vad.kind == SPEECH_STOPPED and self.speech is SpeechStatus.SPEAKING:
                 self.speech = SpeechStatus.SILENT
@@ -218,9 +222,14 @@ class WorkerOutput:
                     self._queue(ev, resp)
             else:
                 DROPPED[DropReason.STALE_TURN].inc()
+        if u.user_text:  # the user's words as they are recognized (input news: a cancel keeps them)
+            s.emitter.emit("transcript_delta", session_pb2.TranscriptDelta(role="user", text=u.user_text))
+        transcript = u.user_transcript if u.HasField("user_transcript") else None
         if u.turn_ended:
             self.end_speech()
-            s.turn_ended(u.committed_samples)
+            s.turn_ended(u.committed_samples, transcript)
+        elif transcript is not None:  # a COMMIT's answer
+            s.transcribed(transcript)
         if input_only:
             if u.response_started or u.response_finished:
                 DROPPED[DropReason.STALE_EPOCH].inc()
@@ -253,6 +262,7 @@ class WorkerOutput:
         sent = False
         for ev in self._plugin.data_plane.project_audio(resp.proj, payload):
             sent = self._queue(ev, resp) or sent
+        resp.audio_samples += len(payload.pcm) // self._frame_bytes
         if sent and not resp.first_audio:
             resp.first_audio = True
             LATENCY_FIRST_AUDIO.observe(self._clock.now() - resp.started_at)

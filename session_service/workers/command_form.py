@@ -22,7 +22,12 @@ _APPEND = worker_pb2.SUBMISSION_KIND_APPEND
 
 #: Submissions the worker applies as they come (not model steps).
 CONTROL = frozenset(
-    {worker_pb2.SUBMISSION_KIND_COMMIT, worker_pb2.SUBMISSION_KIND_RESPOND, worker_pb2.SUBMISSION_KIND_CLEAR}
+    {
+        worker_pb2.SUBMISSION_KIND_COMMIT,
+        worker_pb2.SUBMISSION_KIND_RESPOND,
+        worker_pb2.SUBMISSION_KIND_CLEAR,
+        worker_pb2.SUBMISSION_KIND_TEXT,
+    }
 )
 
 

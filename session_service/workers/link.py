@@ -54,7 +54,7 @@ from duplex.serving import CHANNEL_OPTIONS
 from duplex.tls import ChannelCredentials
 from duplex.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from session_service.metrics import WORKER_COMMAND_SIZE, WORKER_STALLS, WORKER_TICK_COMMANDS, WORKER_TICK_LEAD
-from session_service.plugin import DuplexModelPlugin, PluginLoadError, check_worker
+from session_service.plugin import DuplexModelPlugin, PluginLoadError, Stage, check_worker
 from session_service.workers.command_form import CONTROL, Pending, build_command, frame_bytes_of
 from session_service.workers.kept_releases import KeptReleases
 from session_service.workers.liveness import Liveness, WorkerStalledError
@@ -112,13 +112,15 @@ class WorkerLink:
         claim: Callable[[WorkerLink, str], bool] = _always,
         release: Callable[[WorkerLink], None] = _nothing,
         write_coalesce_s: float = 0.0,
+        stage: Stage | None = None,
     ) -> None:
         """``clock``: what the stall watchdog and the liveness record measure time on;
         ``credentials``: TLS towards the worker (None: plaintext); ``tls_name``: the name the
         worker's certificate must carry (None: the address's host); ``claim`` / ``release``:
         the pool's one-link-per-worker-id rule (``placement.WorkerPool.claim``);
         ``write_coalesce_s``: how long the sender waits, once woken, for more submissions to join
-        the command (0: write at once; see ``ServiceConfig.worker_write_coalesce_ms``)."""
+        the command (0: write at once; see ``ServiceConfig.worker_write_coalesce_ms``); ``stage``:
+        the plugin's later stage this worker serves (None: its first, or its only model)."""
         self.pacer = WritePacer(write_coalesce_s)
         """When the next command is written (the worker's tick's write point)."""
         self.address = address
@@ -126,30 +128,27 @@ class WorkerLink:
         self._claim = claim
         self._release = release
         self.worker_id: str | None = None
-        """The worker's id from its last ``Describe``; None before and once the link failed
-        (a link standing by keeps it: its worker answers)."""
+        """The worker's id (``Describe``); None before and once the link failed (not standing by)."""
         self._clock = clock
         WORKER_STALLS.labels(worker=address)  # present at 0 from the start, for alerts
         self.owner = owner
         self._plugin = plugin
+        self.stage = stage
         self._on_step = on_step
         self._on_lost = on_lost
         self._on_health = on_health
         self._backoff_max_s = backoff_max_s
         self._credentials = credentials
-        self._channel_credentials: grpc.ChannelCredentials | None = None
-        """The credentials the current channel was made with."""
+        self._channel_credentials: grpc.ChannelCredentials | None = None  # the channel's
         self._channel = self._new_channel()
         self._stub = worker_pb2_grpc.DuplexWorkerStub(self._channel)
         self.description: worker_pb2.WorkerDescription | None = None
         self._frame_bytes = 0  # the worker's frame in bytes where it reads APPENDs in columns
         self._healthy = False
         self.generation = 0
-        """Counts Run streams opened: a session attached under one generation is not attached
-        to the (possibly restarted) worker behind a later one."""
+        """Counts Run streams: an Attach under one is not held by the worker behind a later one."""
         self._pending = Pending()
-        self._kept = KeptReleases()
-        """Releases waiting for a stream (``kept_releases``)."""
+        self._kept = KeptReleases()  # releases waiting for a stream
         self._attaching: Counter[str] = Counter()
         """Sessions with an Attach in flight on this link (reconciliation leaves them alone)."""
         self._wake = asyncio.Event()
@@ -157,9 +156,10 @@ class WorkerLink:
         self._stopping = False
         self.commands_sent = 0
         self._stall_timeout_s = stall_timeout_s
-        # A lockstep model (one that needs silence continuation) replies only as input arrives,
-        # so its RESPOND owes nothing by itself; a free-running model's RESPOND owes a step.
-        self.liveness = Liveness(respond_answers=not plugin.silence_continuation, clock=clock.now)
+        # A lockstep model's RESPOND owes nothing by itself (it replies only as input comes); a
+        # free-running one's (a later stage's too: stepped while its text comes) owes a step.
+        free = stage is not None or not plugin.silence_continuation
+        self.liveness = Liveness(respond_answers=free, clock=clock.now)
         self.stalls = 0
         """Times this link was declared stalled (lost without the stream breaking)."""
 
@@ -295,7 +295,7 @@ class WorkerLink:
             try:
                 await self._renew_channel()
                 desc = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0)
-                check_worker(self._plugin, desc)
+                check_worker(self._plugin, desc, self.stage)
                 worker_id = worker_key(desc, self.address)
                 self.description, self._frame_bytes = desc, frame_bytes_of(desc)
                 self.worker_id = worker_id

@@ -3,7 +3,8 @@
 Every ``StepOutput`` first goes through ``route_step``: an invalid AUDIO declaration routes no
 payload of the step at all. Updates (VAD, commits, completions, errors) still reach their
 sessions, since each names its own request. Output for a request this replica does not hold,
-or from a worker the session is no longer placed on, is dropped and counted.
+or from a worker the session is no longer placed on, is dropped and counted. Output of a later
+stage of a plugin served in stages goes to the runner's stage layer (``on_stage_output``).
 
 Reconciliation: a new Run stream starts with the worker's list of the sessions it holds for
 this replica (``StepOutput.held_sessions``). Each one this replica does not hold on that link
@@ -99,13 +100,19 @@ class Router:
             if runner is None:
                 DROPPED[DropReason.UNKNOWN_REQUEST].inc()
                 continue
-            if runner.link is not link:
-                DROPPED[DropReason.STALE_WORKER].inc()
-                continue
             try:
-                runner.on_output(
-                    fences.get(rid), routed.payloads.get(rid), updates.get(rid, ()), acks.get(rid, 0)
-                )
+                if runner.link is link:
+                    runner.on_output(
+                        fences.get(rid), routed.payloads.get(rid), updates.get(rid, ()), acks.get(rid, 0)
+                    )
+                else:  # a later stage's worker of the session, or one it left (stale_worker)
+                    runner.on_stage_output(
+                        link,
+                        fences.get(rid),
+                        routed.payloads.get(rid),
+                        updates.get(rid, ()),
+                        acks.get(rid, 0),
+                    )
             except Exception:  # one session's failure must not starve the others
                 log.exception("routing to session %s failed", rid)
 
@@ -116,7 +123,7 @@ class Router:
         for fence in held:
             sid = fence.session_id
             runner = self._registry.get(sid)
-            if runner is not None and not runner.closed and runner.link is link:
+            if runner is not None and not runner.closed and runner.holds(link):
                 continue
             if link.attaching(sid):
                 continue

@@ -43,8 +43,29 @@ def _moshi(device: torch.device, options: Mapping[str, object]) -> StepModel[Any
     return MoshiModel(device, **options)  # type: ignore[arg-type]  # see above
 
 
+def _asr(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    from worker_service.models.asr import AsrModel
+
+    return AsrModel(device, **options)  # type: ignore[arg-type]  # the model checks them
+
+
+def _responder(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    from worker_service.models.responder import ResponderModel
+
+    return ResponderModel(device, **options)  # type: ignore[arg-type]  # the model checks them
+
+
+def _tts(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    from worker_service.models.tts import TtsModel
+
+    return TtsModel(device, **options)  # type: ignore[arg-type]  # the model checks them
+
+
 MODELS: dict[str, ModelFactory] = {
+    "asr": _asr,
     "moshi": _moshi,
+    "responder": _responder,
+    "tts": _tts,
     "null": _null,
     "parrot": _parrot,
     "synthetic": _synthetic,
