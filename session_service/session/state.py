@@ -327,7 +327,7 @@ class SessionState:
             self._start_response(self._commit_at)
 
     def _begin_response(
-        self, started_at: float, params: dict[str, Any] | None, restart: Restart | None
+        self, started_at: float, params: dict[str, Any] | None, restart: Restart | None, event_id: str = ""
     ) -> ActiveResponse:
         """The transition of a response start (``_start_response`` hands it to the worker): the
         response exists, the turn is answered, and ``response_started`` is queued."""
@@ -360,6 +360,7 @@ class SessionState:
         self.last_response = (response_id, turn_id, ACTIVE)
         started = resp.started()
         started.resume_token = self._fresh_token()
+        started.event_id = event_id
         self.emitter.emit("response_started", started)
         return resp
 
@@ -482,9 +483,15 @@ class SessionState:
     # ---- what the shell does (overridden by ``SessionRunner``) -----------------------------
 
     def _start_response(
-        self, started_at: float, params: dict[str, Any] | None = None, *, restart: Restart | None = None
+        self,
+        started_at: float,
+        params: dict[str, Any] | None = None,
+        *,
+        restart: Restart | None = None,
+        event_id: str = "",
     ) -> None:
-        """Start a response: ``_begin_response``, then hand it to the worker (I/O: the shell's)."""
+        """Start a response (``event_id``: the ``response_create`` asking for it):
+        ``_begin_response``, then hand it to the worker (I/O: the shell's)."""
         raise NotImplementedError
 
     def _response_active(self, active: bool) -> None:
