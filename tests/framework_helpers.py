@@ -62,7 +62,7 @@ class Microphone:
         self._queue: deque[bytes] = deque()
         self._next = 0.0
         self.said_at: float | None = None
-        """When the last ``say`` finished (``time.monotonic``)."""
+        """When the last ``say`` was all spoken (``time.monotonic``): the end of the user's turn."""
         self.done = asyncio.Event()
 
     def say(self, pcm: bytes) -> None:

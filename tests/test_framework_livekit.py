@@ -206,10 +206,10 @@ async def test_default_settings_a_greeting_and_a_spoken_turn(parrot_edge: LocalS
         done = [e for e in run.server_events if e["type"] == "response.done"]
         assert done[-1]["response"]["status"] == "completed" and done[-1]["response"]["output"] == []
         assert "client_event_id" in done[-1]["response"]["metadata"]
-        run.mic.say(wav_pcm(trailing_silence_ms=1500))
+        run.mic.say(wav_pcm())
         reply = await run.reply(after=0)
         assert run.mic.said_at is not None
-        assert_a_full_reply(run, reply, run.mic.said_at - 1.5)
+        assert_a_full_reply(run, reply, run.mic.said_at)
         assert_no_error(run)
 
 
@@ -217,7 +217,7 @@ async def test_client_driven_turns(parrot_edge: LocalStack) -> None:
     # No server turn detection: the agent commits the user's turn and asks for the reply.
     async with agent_session(parrot_edge, turn_detection=None) as run:
         for turn in range(2):
-            run.mic.say(wav_pcm(trailing_silence_ms=200))
+            run.mic.say(wav_pcm())
             await asyncio.wait_for(run.mic.done.wait(), 10)
             committed_at = time.monotonic()
             run.session.commit_user_turn()
@@ -233,15 +233,15 @@ async def test_barge_in_interrupts_and_truncates_the_reply(parrot_edge: LocalSta
     # aec_warmup_duration, against echo before echo cancellation settles); the parrot's replies
     # here are shorter, so the warm-up is off, as LiveKit's docs say for audio without echo.
     async with agent_session(parrot_edge, {"aec_warmup_duration": None}) as run:
-        run.mic.say(wav_pcm(trailing_silence_ms=1500))
+        run.mic.say(wav_pcm())
         await until(lambda: run.speaker.segments, 20, "reply")
         await asyncio.sleep(0.8)  # the user hears part of the reply, then talks over it
-        run.mic.say(wav_pcm(trailing_silence_ms=1500))
+        run.mic.say(wav_pcm())
         first = await run.reply(after=0)
         assert first.interrupted  # the playback stopped: the rest of the reply is not heard
         second = await run.reply(after=1)
         assert run.mic.said_at is not None
-        assert_a_full_reply(run, second, run.mic.said_at - 1.5)
+        assert_a_full_reply(run, second, run.mic.said_at)
         kinds = [e["type"] for e in run.server_events]
         assert "conversation.item.truncated" in kinds or "conversation.item.deleted" in kinds
         done = [e["response"] for e in run.server_events if e["type"] == "response.done"]
@@ -255,7 +255,7 @@ async def test_barge_in_interrupts_and_truncates_the_reply(parrot_edge: LocalSta
 
 async def test_history_edits_are_kept_and_the_conversation_goes_on(parrot_edge: LocalStack) -> None:
     async with agent_session(parrot_edge) as run:
-        run.mic.say(wav_pcm(trailing_silence_ms=1500))
+        run.mic.say(wav_pcm())
         await run.reply(after=0)
         agent = run.session.current_agent
         # Add a user text message and an assistant message (the parrot does not take text: the
@@ -273,8 +273,8 @@ async def test_history_edits_are_kept_and_the_conversation_goes_on(parrot_edge: 
         kinds = [e["type"] for e in run.server_events]
         assert kinds.count("conversation.item.deleted") >= 1
         # The conversation goes on.
-        run.mic.say(wav_pcm(trailing_silence_ms=1500))
+        run.mic.say(wav_pcm())
         reply = await run.reply(after=1)
         assert run.mic.said_at is not None
-        assert_a_full_reply(run, reply, run.mic.said_at - 1.5)
+        assert_a_full_reply(run, reply, run.mic.said_at)
         assert_no_error(run)
