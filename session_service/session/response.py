@@ -154,9 +154,10 @@ class ActiveResponse:
     """It restarts the reply of a turn whose worker was lost: it has ``restart_timeout_s`` from
     its start to send audio (``started_at`` is then its start)."""
 
-    def started(self) -> session_pb2.ResponseStarted:
+    def started(self, event_id: str = "") -> session_pb2.ResponseStarted:
+        """The ``response_started`` that begins it (``event_id``: the ``response_create`` asking)."""
         return session_pb2.ResponseStarted(
-            response_id=self.response_id, turn_id=self.turn_id, epoch=self.epoch
+            response_id=self.response_id, turn_id=self.turn_id, epoch=self.epoch, event_id=event_id
         )
 
     def done(

@@ -358,9 +358,8 @@ class SessionState:
         self.turn_status = TurnStatus.LISTENING
         self.state.context_locked = True
         self.last_response = (response_id, turn_id, ACTIVE)
-        started = resp.started()
+        started = resp.started(event_id)
         started.resume_token = self._fresh_token()
-        started.event_id = event_id
         self.emitter.emit("response_started", started)
         return resp
 
@@ -482,16 +481,8 @@ class SessionState:
 
     # ---- what the shell does (overridden by ``SessionRunner``) -----------------------------
 
-    def _start_response(
-        self,
-        started_at: float,
-        params: dict[str, Any] | None = None,
-        *,
-        restart: Restart | None = None,
-        event_id: str = "",
-    ) -> None:
-        """Start a response (``event_id``: the ``response_create`` asking for it):
-        ``_begin_response``, then hand it to the worker (I/O: the shell's)."""
+    def _start_response(self, started_at: float, *args: Any, **kwargs: Any) -> None:
+        """Start a response: ``_begin_response``, then hand it to the worker (I/O: the shell's)."""
         raise NotImplementedError
 
     def _response_active(self, active: bool) -> None:
