@@ -149,6 +149,8 @@ class Conversation:
         self.apply_config(opened.config)
         if first:
             return [self._event("session.created", session=self.session_object())]
+        # Updates the lost stream did not answer get no ``updated`` now (they go again, new).
+        self._updates.clear()
         out: list[Event] = []
         for response_id in list(self._responses):
             out += self._response_done(response_id, "failed", "interrupted")

@@ -35,6 +35,8 @@ from tests.framework_helpers import (
 )
 
 pytest.importorskip("pipecat", reason="the frameworks extra is not installed (make setup)")
+from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.audio.vad.vad_analyzer import VADParams
 from pipecat.frames.frames import (
@@ -191,6 +193,7 @@ async def pipeline(
     messages: list[dict[str, Any]],
     user_params: LLMUserAggregatorParams | None = None,
     mic_format: PcmFormat = PCM24K,
+    tools: ToolsSchema | None = None,
 ) -> AsyncIterator[Run]:
     mic = Microphone(mic_format)
     transport = WavTransport(mic)
@@ -199,7 +202,7 @@ async def pipeline(
         base_url=stack.realtime_url + "/realtime",
         settings=OpenAIRealtimeLLMService.Settings(model="parrot", session_properties=session),
     )
-    context = LLMContext(messages)
+    context = LLMContext(messages, tools) if tools is not None else LLMContext(messages)
     aggregators = LLMContextAggregatorPair(context, user_params=user_params)
     task = PipelineTask(
         Pipeline([transport.input(), aggregators.user(), llm, transport.output(), aggregators.assistant()]),
@@ -232,7 +235,21 @@ async def test_server_vad_the_bot_speaks_first_with_a_user_text_message(parrot_e
         instructions="Repeat what the user says.",
     )
     messages = [{"role": "user", "content": "Say hello to the user."}]
-    async with pipeline(parrot_edge, session, messages) as run:
+    # A tool, as in Pipecat's example: kept by the edge, never called (the parrot calls none).
+    weather = FunctionSchema(
+        name="get_weather",
+        description="The weather in a city",
+        properties={"city": {"type": "string"}},
+        required=["city"],
+    )
+    calls: list[Any] = []
+
+    async def get_weather(params: Any) -> None:
+        calls.append(params)
+        await params.result_callback({"weather": "sunny"})
+
+    async with pipeline(parrot_edge, session, messages, tools=ToolsSchema(standard_tools=[weather])) as run:
+        run.llm.register_function("get_weather", get_weather)
         await run.task.queue_frames([LLMRunFrame()])
         await until(lambda: run.watch.responses_ended, 10, "the greeting's end")
         assert run.speaker.speeches == []  # an empty response: nothing to say yet
@@ -242,6 +259,7 @@ async def test_server_vad_the_bot_speaks_first_with_a_user_text_message(parrot_e
             assert run.mic.said_at is not None
             assert_a_full_reply(reply, run.mic.said_at)
         run.assert_no_error()
+        assert calls == []
 
 
 async def test_semantic_vad(parrot_edge: LocalStack) -> None:
