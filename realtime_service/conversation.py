@@ -49,6 +49,7 @@ class _Response:
     item_id: str
     metadata: dict[str, Any] | None = None
     modalities: tuple[str, ...] = ("audio",)
+    max_output_tokens: int | str | None = None
     transcript: list[str] = field(default_factory=list)
 
 
@@ -218,7 +219,9 @@ class Conversation:
             "output": output,
             "output_modalities": list(r.modalities),
             "audio": {"output": {"format": format_object(self.settings.output_format), "voice": self.model}},
-            "max_output_tokens": self.settings.stored.get("max_output_tokens", "inf"),
+            "max_output_tokens": r.max_output_tokens
+            or self.settings.stored.get("max_output_tokens")
+            or "inf",
             "metadata": r.metadata,
             "usage": None,
         }
@@ -231,6 +234,7 @@ class Conversation:
         if create is not None:
             r.metadata = create.metadata
             r.modalities = create.output_modalities or r.modalities
+            r.max_output_tokens = create.max_output_tokens
         return r
 
     def _modality(self, r: _Response) -> str:
@@ -361,6 +365,7 @@ class Conversation:
         if create is not None:
             r.metadata = create.metadata
             r.modalities = create.output_modalities or r.modalities
+            r.max_output_tokens = create.max_output_tokens
         return [
             self._event("response.created", response=self._response_object(r, "in_progress", None, [])),
             self._event("response.done", response=self._response_object(r, "completed", None, [])),

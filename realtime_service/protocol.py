@@ -89,6 +89,7 @@ class CreateResponse:
     event_id: str | None
     metadata: dict[str, Any] | None = None
     output_modalities: tuple[str, ...] | None = None
+    max_output_tokens: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -276,8 +277,15 @@ def _response_create(event: dict[str, Any], event_id: str | None, _fmt: PcmForma
             "response.output_modalities must be a non-empty list of 'audio' and 'text'",
             param="response.output_modalities",
         )
+    tokens = response.get("max_output_tokens")
+    if tokens is not None and tokens != "inf" and (not isinstance(tokens, int) or isinstance(tokens, bool)):
+        raise RealtimeError(
+            "invalid_value",
+            "response.max_output_tokens must be an integer or 'inf'",
+            param="response.max_output_tokens",
+        )
     return CreateResponse(
-        event_id, metadata, tuple(dict.fromkeys(modalities)) if modalities is not None else None
+        event_id, metadata, tuple(dict.fromkeys(modalities)) if modalities is not None else None, tokens
     )
 
 

@@ -70,12 +70,14 @@ def test_session_service_errors_are_openais_codes(command: Any, code: str, opena
 
 def test_a_create_with_nothing_committed_is_an_empty_completed_response_with_its_metadata() -> None:
     conv = conversation()
-    create = parse({"type": "response.create", "event_id": "e1", "response": {"metadata": {"k": "v"}}})
+    response = {"metadata": {"k": "v"}, "max_output_tokens": 64, "output_modalities": ["audio"]}
+    create = parse({"type": "response.create", "event_id": "e1", "response": response})
     conv.remember_client_event("s1", create)
     out = conv.on_event(ev(error=session_pb2.Error(code="no_committed_input", message="m", event_id="s1")))
     assert [e["type"] for e in out] == ["response.created", "response.done"]
     done = out[1]["response"]
     assert done["status"] == "completed" and done["output"] == [] and done["metadata"] == {"k": "v"}
+    assert done["max_output_tokens"] == 64 and done["output_modalities"] == ["audio"]
     assert out[0]["response"]["id"] == done["id"]
 
 
