@@ -39,7 +39,9 @@ from realtime_service.protocol import (
     CommitAudio,
     CreateItem,
     CreateResponse,
+    DeleteItem,
     RealtimeError,
+    RetrieveItem,
     TruncateItem,
     UpdateSession,
     parse_client_event,
@@ -226,6 +228,7 @@ class Connection:
     async def _apply(self, command: Command) -> None:
         session = self.session
         assert session is not None
+        conversation = self.conversation
         sent = ""
         match command:
             case AppendAudio(audio=audio):
@@ -246,24 +249,31 @@ class Connection:
             case CancelResponse(response_id=response_id):
                 sent = await session.cancel_response(response_id)
             case TruncateItem(item_id=item_id, audio_end_ms=end_ms):
-                response_id, answer = self.conversation.truncation(item_id, end_ms)
-                sent = await session.playback_ack(end_ms, response_id)
+                response_id, answer = conversation.truncation(item_id, end_ms)
+                if response_id:
+                    sent = await session.playback_ack(end_ms, response_id)
                 self._emit([answer])
+            case DeleteItem(item_id=item_id):
+                self._emit(conversation.delete_item(item_id))
+            case RetrieveItem(item_id=item_id):
+                self._emit(conversation.retrieve_item(item_id))
             case CreateItem(kind="function_call_output"):
+                added = conversation.create_item(command)
                 sent = await session.function_call_output(command.call_id, command.output)
-                self._emit(
-                    self.conversation.function_output_added(command.item_id, command.call_id, command.output)
-                )
-            case CreateItem(audio=audio):
-                self.conversation.expect_created_item(command.item_id)
+                self._emit(added)
+            case CreateItem(kind="audio", audio=audio):
+                conversation.create_item(command)  # added once its turn is committed
                 await session.send_audio(audio)
                 sent = await session.commit()
-        self.conversation.remember_client_event(sent, command.event_id)
+            case CreateItem():
+                self._emit(conversation.create_item(command))  # kept: the model does not take it
+        conversation.remember_client_event(sent, command)
 
     async def _update(self, session: Session, command: UpdateSession) -> str:
-        if command.turn is not None:
-            # Whether speech events are reported follows the client's choice at once.
-            self.settings.turn = command.turn
+        # What cannot be applied is refused alone; the rest applies (and session.updated says
+        # what did not).
+        self._emit([self.conversation.error(err) for err in command.problems])
+        self.conversation.apply_update(command)
         return await session.update(
             input_format=command.input_format,
             output_format=command.output_format,

@@ -1,31 +1,38 @@
 """One connection's conversation in Realtime terms: the session service's events in, Realtime
-server events out (no I/O).
+server events out, and the client's edits of the conversation (no I/O).
 
 The session service speaks of turns, responses and epochs; a Realtime client of items (a user
-message per committed turn, an assistant message per response), output indexes and content
-parts. ``Conversation`` keeps what the translation needs: the item ids it gave, which item a
-response writes, how much audio each assistant item holds (for ``conversation.item.truncate``),
-and the effective settings (for ``session.created``/``session.updated``).
+message per committed turn, an assistant message per response, and whatever it adds itself),
+output indexes and content parts. ``Conversation`` keeps what the translation needs: the
+conversation's items (``items.Items``), which item a response writes and what the
+``response.create`` that asked for it said (``metadata`` comes back), which client event each
+command sent to the session service stands for (so its errors name it, in OpenAI's codes), and
+the effective settings (``session.created``/``session.updated``).
 """
 
 from __future__ import annotations
 
 import base64
 import itertools
-from collections import OrderedDict
+import uuid
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from duplex.audio import PcmFormat
 from duplex.v1 import session_pb2
-from realtime_service.protocol import DEFAULT_TURN, RealtimeError, TurnSetting, format_object
+from realtime_service import errors
+from realtime_service.errors import RealtimeError
+from realtime_service.items import Items, assistant_item, user_audio_item
+from realtime_service.protocol import CreateItem, CreateResponse, UpdateSession
+from realtime_service.session_config import Settings, format_object, session_object, turn_from_proto
 
 Event = dict[str, Any]
 
-#: Assistant items remembered for ``conversation.item.truncate`` (older ones are refused).
+#: Assistant items whose response id is remembered for ``conversation.item.truncate``.
 MAX_REMEMBERED_ITEMS: Final = 64
 
-#: Client event ids remembered to echo in errors the session service reports later.
+#: Client commands remembered (to name them in errors the session service reports later).
 MAX_REMEMBERED_EVENT_IDS: Final = 512
 
 _STATUS: Final = {
@@ -35,38 +42,26 @@ _STATUS: Final = {
     session_pb2.RESPONSE_STATUS_INTERRUPTED: "failed",
 }
 
-#: Session-service error codes that are the server's fault, not the request's.
-_SERVER_ERRORS: Final = frozenset({"internal", "worker_unavailable", "unavailable", "draining", "fenced"})
-
 
 @dataclass
 class _Response:
     response_id: str
     item_id: str
-    audio_bytes: int = 0
+    metadata: dict[str, Any] | None = None
+    modalities: tuple[str, ...] = ("audio",)
+    max_output_tokens: int | str | None = None
     transcript: list[str] = field(default_factory=list)
 
 
-@dataclass
-class Settings:
-    """The session's effective settings as the edge reports them."""
+@dataclass(frozen=True)
+class _Sent:
+    """A client command as sent to the session service."""
 
-    input_format: PcmFormat
-    output_format: PcmFormat
-    turn: TurnSetting = DEFAULT_TURN
-    instructions: str = ""
-    output_modalities: tuple[str, ...] = ("audio",)
-    model_native: bool = False
-    """The model decides itself when to speak (``TURN_POLICY_MODEL_NATIVE``): each of its speech
-    spans is a response, and turn detection is its own."""
-
-
-def turn_from_proto(td: session_pb2.TurnDetection, vad: bool) -> TurnSetting:
-    if not vad:
-        return TurnSetting(vad=False)
-    return TurnSetting(
-        vad=True, silence_ms=td.silence_ms, create_response=td.auto_respond, interrupt_response=td.barge_in
-    )
+    client_id: str | None
+    command: str
+    """Its class name (``CommitAudio``, ``CreateResponse``, ...)."""
+    create: CreateResponse | None = None
+    update: UpdateSession | None = None
 
 
 class Conversation:
@@ -76,18 +71,21 @@ class Conversation:
         self.model = model
         self.settings = settings
         self.session_id = ""
+        self.capabilities = session_pb2.Capabilities()
+        self.items = Items()
         self._event_ids = itertools.count(1)
         self._item_ids = itertools.count(1)
         self._user_item = ""
         """The id of the user item the current input will become (given at speech start)."""
-        self._created_items: list[str] = []
-        """Items of ``conversation.item.create`` whose commits are on their way, in order."""
-        self._last_item: str | None = None
+        self._created_items: deque[CreateItem] = deque()
+        """Audio items of ``conversation.item.create`` whose commits are on their way, in order."""
         self._responses: dict[str, _Response] = {}
-        self._items: OrderedDict[str, _Response] = OrderedDict()
-        """Assistant item id -> its response (which counts the audio sent for it)."""
-        self._client_ids: OrderedDict[str, str] = OrderedDict()
-        """The session service's event id of a client event -> the client's own ``event_id``."""
+        self._item_responses: OrderedDict[str, str] = OrderedDict()
+        """Assistant item id -> its response id (a truncation names the response it played)."""
+        self._sent: OrderedDict[str, _Sent] = OrderedDict()
+        """The session service's event id of a client command -> what it was."""
+        self._updates: deque[str] = deque()
+        """Updates sent and not yet answered ``updated`` (answered in order)."""
 
     # ---- ids ---------------------------------------------------------------------------------
 
@@ -95,58 +93,28 @@ class Conversation:
         return {"type": kind, "event_id": f"event_{next(self._event_ids)}", **fields}
 
     def new_item_id(self) -> str:
-        return f"item_{next(self._item_ids)}"
+        while (item_id := f"item_{next(self._item_ids)}") in self.items:
+            pass
+        return item_id
 
-    def remember_client_event(self, sent_id: str, client_id: str | None) -> None:
-        """``sent_id`` (what went to the session service) stands for the client's ``client_id``."""
-        if not client_id:
+    def remember_client_event(self, sent_id: str, command: object) -> None:
+        """``sent_id`` (what went to the session service) stands for ``command``."""
+        if not sent_id:
             return
-        self._client_ids[sent_id] = client_id
-        while len(self._client_ids) > MAX_REMEMBERED_EVENT_IDS:
-            self._client_ids.popitem(last=False)
+        client_id = getattr(command, "event_id", None)
+        kind = type(command).__name__
+        create = command if isinstance(command, CreateResponse) else None
+        update = command if isinstance(command, UpdateSession) else None
+        if update is not None:
+            self._updates.append(sent_id)
+        self._sent[sent_id] = _Sent(client_id, kind, create, update)
+        while len(self._sent) > MAX_REMEMBERED_EVENT_IDS:
+            self._sent.popitem(last=False)
 
     # ---- what the edge reports --------------------------------------------------------------
 
-    def session_object(self) -> Event:
-        s = self.settings
-        turn: Event | None = None
-        if s.model_native:
-            # The API's nearest word for it: the model itself judges when the user is done (and
-            # when to stop); nothing of it can be set (duplex's turn_policy: model_native).
-            turn = {
-                "type": "semantic_vad",
-                "eagerness": "auto",
-                "create_response": True,
-                "interrupt_response": True,
-            }
-        elif s.turn.vad:
-            turn = {
-                "type": "server_vad",
-                "silence_duration_ms": s.turn.silence_ms or None,
-                "create_response": s.turn.create_response,
-                "interrupt_response": s.turn.interrupt_response,
-            }
-        return {
-            "type": "realtime",
-            "object": "realtime.session",
-            "id": self.session_id,
-            "model": self.model,
-            "output_modalities": list(s.output_modalities),
-            "instructions": s.instructions,
-            "audio": {
-                "input": {
-                    "format": format_object(s.input_format),
-                    "turn_detection": turn,
-                    "transcription": None,
-                    "noise_reduction": None,
-                },
-                "output": {"format": format_object(s.output_format), "voice": self.model, "speed": 1.0},
-            },
-            "tools": [],
-            "tool_choice": "auto",
-            "max_output_tokens": "inf",
-            "tracing": None,
-        }
+    def session_object(self, not_applied: tuple[tuple[str, str], ...] = ()) -> Event:
+        return session_object(self.settings, self.session_id, self.model, self.capabilities, not_applied)
 
     def error(self, err: RealtimeError) -> Event:
         return self._event("error", error=err.to_error())
@@ -159,10 +127,17 @@ class Conversation:
         if config.HasField("output_format") and config.output_format.sample_rate_hz:
             s.output_format = PcmFormat.from_proto(config.output_format)
         if config.HasField("turn_detection"):
-            s.turn = turn_from_proto(config.turn_detection, s.turn.vad)
+            s.turn = turn_from_proto(config.turn_detection, s.turn)
         s.instructions = config.instructions
         if config.modalities:
             s.output_modalities = tuple(config.modalities)
+
+    def apply_update(self, update: UpdateSession) -> None:
+        """What the edge keeps of an update (the session service applies the rest)."""
+        if update.turn is not None:
+            # Whether speech events are reported follows the client's choice at once.
+            self.settings.turn = update.turn
+        self.settings.stored.update(update.stored)
 
     # ---- the session service's events -------------------------------------------------------
 
@@ -170,10 +145,13 @@ class Conversation:
         """``session.created`` for the first ``opened``; after a resume, the end of any response
         the lost stream left open (it will restart as a new one)."""
         self.session_id = opened.session_id
-        self.settings.model_native = opened.capabilities.turn_policy == session_pb2.TURN_POLICY_MODEL_NATIVE
+        if opened.HasField("capabilities"):
+            self.capabilities.CopyFrom(opened.capabilities)
         self.apply_config(opened.config)
         if first:
             return [self._event("session.created", session=self.session_object())]
+        # Updates the lost stream did not answer get no ``updated`` now (they go again, new).
+        self._updates.clear()
         out: list[Event] = []
         for response_id in list(self._responses):
             out += self._response_done(response_id, "failed", "interrupted")
@@ -186,7 +164,9 @@ class Conversation:
 
     def _updated(self, ev: session_pb2.ServerEvent) -> list[Event]:
         self.apply_config(ev.updated.config)
-        return [self._event("session.updated", session=self.session_object())]
+        sent = self._sent.get(self._updates.popleft()) if self._updates else None
+        notes = sent.update.not_applied if sent is not None and sent.update is not None else ()
+        return [self._event("session.updated", session=self.session_object(notes))]
 
     def _speech(self, kind: str, position: str, audio_ms: int) -> list[Event]:
         """A speech boundary of server VAD (not reported without it), on the user item the turn
@@ -203,68 +183,29 @@ class Conversation:
     def _speech_stopped(self, ev: session_pb2.ServerEvent) -> list[Event]:
         return self._speech("input_audio_buffer.speech_stopped", "audio_end_ms", ev.speech_stopped.audio_ms)
 
-    def expect_created_item(self, item_id: str) -> str:
-        """A ``conversation.item.create`` of audio is on its way as a commit; returns its id."""
-        item_id = item_id or self.new_item_id()
-        self._created_items.append(item_id)
-        return item_id
-
-    def _committed(self, ev: session_pb2.ServerEvent) -> list[Event]:
-        out: list[Event] = []
-        previous = self._last_item
-        if self._created_items:
-            item_id = self._created_items.pop(0)
-        else:
-            item_id = self._user_item or self.new_item_id()
-            out.append(
-                self._event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
-            )
-        self._user_item = ""
-        self._last_item = item_id
-        item = {
-            "id": item_id,
-            "object": "realtime.item",
-            "type": "message",
-            "role": "user",
-            "status": "completed",
-            "content": [{"type": "input_audio", "transcript": None}],
-        }
-        out.append(self._event("conversation.item.added", previous_item_id=previous, item=item))
-        out.append(self._event("conversation.item.done", previous_item_id=previous, item=item))
-        return out
-
-    def _cleared(self, _ev: session_pb2.ServerEvent) -> list[Event]:
-        self._user_item = ""
-        return [self._event("input_audio_buffer.cleared")]
-
-    def function_output_added(self, item_id: str, call_id: str, output: str) -> list[Event]:
-        """A function call's output, handed to the session service: the item it makes."""
-        previous, self._last_item = self._last_item, item_id or self.new_item_id()
-        item = {
-            "id": self._last_item,
-            "object": "realtime.item",
-            "type": "function_call_output",
-            "status": "completed",
-            "call_id": call_id,
-            "output": output,
-        }
+    def _added(self, item: Event, previous_item_id: str | None = None) -> list[Event]:
+        previous = self.items.add(item, previous_item_id)
         return [
             self._event("conversation.item.added", previous_item_id=previous, item=item),
             self._event("conversation.item.done", previous_item_id=previous, item=item),
         ]
 
-    def _assistant_item(self, r: _Response, status: str) -> Event:
-        content: list[Event] = []
-        if status != "in_progress":
-            content = [{"type": "output_audio", "transcript": "".join(r.transcript)}]
-        return {
-            "id": r.item_id,
-            "object": "realtime.item",
-            "type": "message",
-            "role": "assistant",
-            "status": status,
-            "content": content,
-        }
+    def _committed(self, ev: session_pb2.ServerEvent) -> list[Event]:
+        if self._created_items:
+            created = self._created_items.popleft()
+            return self._added(created.item, created.previous_item_id)
+        item_id = (
+            self._user_item if self._user_item and self._user_item not in self.items else self.new_item_id()
+        )
+        self._user_item = ""
+        committed = self._event(
+            "input_audio_buffer.committed", item_id=item_id, previous_item_id=self.items.last
+        )
+        return [committed, *self._added(user_audio_item(item_id))]
+
+    def _cleared(self, _ev: session_pb2.ServerEvent) -> list[Event]:
+        self._user_item = ""
+        return [self._event("input_audio_buffer.cleared")]
 
     def _response_object(
         self, r: _Response, status: str, details: Event | None, output: list[Event]
@@ -276,33 +217,49 @@ class Conversation:
             "status_details": details,
             "conversation_id": f"conv_{self.session_id}",
             "output": output,
-            "output_modalities": list(self.settings.output_modalities),
+            "output_modalities": list(r.modalities),
             "audio": {"output": {"format": format_object(self.settings.output_format), "voice": self.model}},
-            "max_output_tokens": "inf",
-            "metadata": None,
+            "max_output_tokens": r.max_output_tokens
+            or self.settings.stored.get("max_output_tokens")
+            or "inf",
+            "metadata": r.metadata,
             "usage": None,
         }
 
+    def _new_response(self, response_id: str, event_id: str) -> _Response:
+        sent = self._sent.get(event_id) if event_id else None
+        create = sent.create if sent is not None else None
+        r = _Response(response_id, self.new_item_id())
+        r.modalities = self.settings.output_modalities
+        if create is not None:
+            r.metadata = create.metadata
+            r.modalities = create.output_modalities or r.modalities
+            r.max_output_tokens = create.max_output_tokens
+        return r
+
+    def _modality(self, r: _Response) -> str:
+        return "audio" if "audio" in r.modalities else "text"
+
     def _response_started(self, ev: session_pb2.ServerEvent) -> list[Event]:
         started = ev.response_started
-        r = _Response(started.response_id, self.new_item_id())
+        r = self._new_response(started.response_id, started.event_id)
         self._responses[r.response_id] = r
-        previous, self._last_item = self._last_item, r.item_id
-        self._items[r.item_id] = r
-        while len(self._items) > MAX_REMEMBERED_ITEMS:
-            self._items.popitem(last=False)
+        self._item_responses[r.item_id] = r.response_id
+        while len(self._item_responses) > MAX_REMEMBERED_ITEMS:
+            self._item_responses.popitem(last=False)
+        item = assistant_item(r.item_id, "in_progress", None, self._modality(r))
+        previous = self.items.add(dict(item))
         ids = {"response_id": r.response_id, "item_id": r.item_id, "output_index": 0}
-        item = self._assistant_item(r, "in_progress")
+        part = (
+            {"type": "audio", "transcript": ""}
+            if self._modality(r) == "audio"
+            else {"type": "text", "text": ""}
+        )
         return [
             self._event("response.created", response=self._response_object(r, "in_progress", None, [])),
             self._event("response.output_item.added", response_id=r.response_id, output_index=0, item=item),
             self._event("conversation.item.added", previous_item_id=previous, item=item),
-            self._event(
-                "response.content_part.added",
-                **ids,
-                content_index=0,
-                part={"type": "audio", "transcript": ""},
-            ),
+            self._event("response.content_part.added", **ids, content_index=0, part=part),
         ]
 
     def _audio_delta(self, ev: session_pb2.ServerEvent) -> list[Event]:
@@ -310,7 +267,7 @@ class Conversation:
         r = self._responses.get(delta.response_id)
         if r is None:
             return []  # a response this connection never saw start (not one of its own)
-        r.audio_bytes += len(delta.pcm)
+        self.items.add_audio(r.item_id, len(delta.pcm))
         return [
             self._event(
                 "response.output_audio.delta",
@@ -328,18 +285,10 @@ class Conversation:
             return []
         r.transcript.append(text)
         kind = "response.output_audio_transcript.delta"
-        if "audio" not in self.settings.output_modalities:
+        if self._modality(r) != "audio":
             kind = "response.output_text.delta"
-        return [
-            self._event(
-                kind,
-                response_id=r.response_id,
-                item_id=r.item_id,
-                output_index=0,
-                content_index=0,
-                delta=text,
-            )
-        ]
+        ids = {"response_id": r.response_id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
+        return [self._event(kind, **ids, delta=text)]
 
     def _text_delta(self, ev: session_pb2.ServerEvent) -> list[Event]:
         return self._text(ev.text_delta.response_id, ev.text_delta.text)
@@ -348,7 +297,7 @@ class Conversation:
         t = ev.transcript_delta
         if t.role == "assistant":
             return self._text(t.response_id, t.text)
-        item_id = self._user_item or self._last_item
+        item_id = self._user_item or self.items.last
         if not item_id or not t.text:
             return []
         return [
@@ -372,19 +321,36 @@ class Conversation:
             }
         elif status == "failed":
             details = {"type": "failed", "error": {"type": "server_error", "code": reason or "failed"}}
-        item_status = "completed" if status == "completed" else "incomplete"
-        item = self._assistant_item(r, item_status)
         transcript = "".join(r.transcript)
+        item = assistant_item(
+            r.item_id, "completed" if status == "completed" else "incomplete", transcript, self._modality(r)
+        )
+        kept = self.items.get(r.item_id)
+        if kept is not None:
+            # A truncation before the end keeps its cut transcript.
+            if kept.get("content"):
+                item["content"] = kept["content"]
+            self.items.update(r.item_id, status=item["status"], content=item["content"])
         ids = {"response_id": r.response_id, "item_id": r.item_id, "output_index": 0}
-        part = {"type": "audio", "transcript": transcript}
+        out: list[Event] = []
+        if self._modality(r) == "audio":
+            out += [
+                self._event("response.output_audio.done", **ids, content_index=0),
+                self._event(
+                    "response.output_audio_transcript.done", **ids, content_index=0, transcript=transcript
+                ),
+            ]
+            part: Event = {"type": "audio", "transcript": transcript}
+        else:
+            out.append(self._event("response.output_text.done", **ids, content_index=0, text=transcript))
+            part = {"type": "text", "text": transcript}
         return [
-            self._event("response.output_audio.done", **ids, content_index=0),
-            self._event(
-                "response.output_audio_transcript.done", **ids, content_index=0, transcript=transcript
-            ),
+            *out,
             self._event("response.content_part.done", **ids, content_index=0, part=part),
             self._event("response.output_item.done", response_id=r.response_id, output_index=0, item=item),
-            self._event("conversation.item.done", previous_item_id=None, item=item),
+            self._event(
+                "conversation.item.done", previous_item_id=self.items.previous_of(r.item_id), item=item
+            ),
             self._event("response.done", response=self._response_object(r, status, details, [item])),
         ]
 
@@ -392,34 +358,92 @@ class Conversation:
         done = ev.response_done
         return self._response_done(done.response_id, _STATUS.get(done.status, "failed"), done.reason)
 
+    def empty_response(self, create: CreateResponse | None) -> list[Event]:
+        """A response with nothing to say: what a model that has no input to answer gives for a
+        ``response.create`` (created and done, completed, no output)."""
+        r = _Response(f"resp_{uuid.uuid4().hex[:16]}", "", modalities=self.settings.output_modalities)
+        if create is not None:
+            r.metadata = create.metadata
+            r.modalities = create.output_modalities or r.modalities
+            r.max_output_tokens = create.max_output_tokens
+        return [
+            self._event("response.created", response=self._response_object(r, "in_progress", None, [])),
+            self._event("response.done", response=self._response_object(r, "completed", None, [])),
+        ]
+
     def _error(self, ev: session_pb2.ServerEvent) -> list[Event]:
         err = ev.error
-        client_id = self._client_ids.get(err.event_id)
-        kind = "server_error" if err.code in _SERVER_ERRORS else "invalid_request_error"
-        return [self.error(RealtimeError(err.code, err.message, event_id=client_id, type=kind))]
+        sent = self._sent.get(err.event_id)
+        command = sent.command if sent is not None else ""
+        if sent is not None and sent.update is not None and err.event_id in self._updates:
+            self._updates.remove(err.event_id)  # refused: no ``updated`` answers it
+        if command == "CreateItem":
+            # Its turn was not committed: the item is not added.
+            self._created_items = deque(c for c in self._created_items if c.event_id != sent_client(sent))
+        if command == "CreateResponse" and err.code == "no_committed_input":
+            return self.empty_response(sent.create if sent is not None else None)
+        active = next(iter(self._responses), "")
+        mapped = errors.from_session(err.code, err.message, command, active)
+        mapped.event_id = sent.client_id if sent is not None else None
+        return [self.error(mapped)]
 
-    # ---- the client's truncation -------------------------------------------------------------
+    # ---- the client's edits -------------------------------------------------------------------
+
+    def create_item(self, command: CreateItem) -> list[Event]:
+        """A ``conversation.item.create``: checked, then added (an audio item once its turn is
+        committed); raises ``RealtimeError``."""
+        self.items.check_new(command.item_id, command.previous_item_id)
+        if command.item_id and any(c.item_id == command.item_id for c in self._created_items):
+            self.items.check_new(command.item_id, None)  # (raises: the same id is on its way)
+        item = dict(command.item, id=command.item_id or self.new_item_id())
+        if command.kind == "audio":
+            self._created_items.append(
+                CreateItem(command.event_id, item, command.previous_item_id, kind="audio")
+            )
+            return []
+        return self._added(item, command.previous_item_id)
+
+    def delete_item(self, item_id: str) -> list[Event]:
+        if not self.items.delete(item_id):
+            raise errors.item_not_found("delete", item_id)
+        return [self._event("conversation.item.deleted", item_id=item_id)]
+
+    def retrieve_item(self, item_id: str) -> list[Event]:
+        item = self.items.get(item_id)
+        if item is None:
+            raise errors.item_not_found("retrieve", item_id)
+        return [self._event("conversation.item.retrieved", item=item)]
 
     def truncation(self, item_id: str, audio_end_ms: int) -> tuple[str, Event]:
-        """The response whose played position ``conversation.item.truncate`` reports, and the
-        ``conversation.item.truncated`` answer; raises ``RealtimeError``."""
-        known = self._items.get(item_id)
-        if known is None:
+        """The response whose played position ``conversation.item.truncate`` reports ("" when too
+        old to say), and the ``conversation.item.truncated`` answer; raises ``RealtimeError``.
+        The item's transcript goes: the API keeps no text of what the user did not hear."""
+        item = self.items.get(item_id)
+        if item is None:
+            raise errors.item_not_found("truncate", item_id)
+        if item.get("role") != "assistant":
             raise RealtimeError(
-                "item_not_found", "no assistant item with that id (or too old)", param="item_id"
+                "invalid_value",
+                "only assistant messages can be truncated",
+                param="item_id",
+                duplex_code="not_assistant",
             )
-        response_id = known.response_id
-        audio_ms = self.settings.output_format.duration_ms(known.audio_bytes)
+        audio_ms = self.settings.output_format.duration_ms(self.items.audio_bytes(item_id))
         if audio_end_ms > audio_ms + 1:
             raise RealtimeError(
                 "invalid_value",
                 f"audio_end_ms {audio_end_ms} is past the item's audio ({int(audio_ms)} ms)",
                 param="audio_end_ms",
             )
+        self.items.update(item_id, content=[{"type": "output_audio", "transcript": ""}])
         answer = self._event(
             "conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=audio_end_ms
         )
-        return response_id, answer
+        return self._item_responses.get(item_id, ""), answer
+
+
+def sent_client(sent: _Sent | None) -> str | None:
+    return sent.client_id if sent is not None else None
 
 
 _HANDLERS: Final = {
@@ -435,3 +459,5 @@ _HANDLERS: Final = {
     "response_done": Conversation._response_done_event,
     "error": Conversation._error,
 }
+
+__all__ = ["Conversation", "Event", "Settings"]

@@ -1,10 +1,10 @@
-"""Realtime client events as typed commands, and the edge's view of a session (no I/O).
+"""Realtime client events as typed commands (no I/O).
 
 The OpenAI Realtime API (GA shape) names its events ``session.update``,
 ``input_audio_buffer.append`` and so on, as JSON text frames. ``parse_client_event`` turns one
 frame into a frozen command or raises ``RealtimeError``, which the connection sends back as an
 ``error`` event in OpenAI's shape (``type``, ``code``, ``message``, ``param``, ``event_id``);
-the connection stays up.
+the connection stays up. ``session.update`` is parsed in ``session_config``.
 """
 
 from __future__ import annotations
@@ -16,110 +16,56 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from duplex.audio import PCMA_8K, PCMU_8K, S16LE, PcmFormat
+from duplex.audio import PcmFormat
 from duplex.errors import echo
-from duplex.v1 import session_pb2
-
-#: ``audio/pcm``: 16-bit little-endian mono at 24 kHz, the only rate the API names.
-PCM24K: Final = PcmFormat(S16LE, 24_000, 1)
-
-#: Realtime format type -> the session service's format.
-FORMATS: Final[dict[str, PcmFormat]] = {"audio/pcm": PCM24K, "audio/pcmu": PCMU_8K, "audio/pcma": PCMA_8K}
+from realtime_service.errors import RealtimeError as RealtimeError
+from realtime_service.session_config import DEFAULT_TURN as DEFAULT_TURN
+from realtime_service.session_config import FORMATS as FORMATS
+from realtime_service.session_config import PCM24K as PCM24K
+from realtime_service.session_config import TurnSetting as TurnSetting
+from realtime_service.session_config import UpdateSession as UpdateSession
+from realtime_service.session_config import format_object as format_object
+from realtime_service.session_config import obj, parse_session_update
 
 #: Longest client ``event_id`` echoed back in an ``error`` (as the session service bounds it).
 MAX_EVENT_ID_CHARS: Final = 256
 
-#: Bounds of ``turn_detection.silence_duration_ms`` (the session service's).
-MIN_SILENCE_MS: Final = 100
-MAX_SILENCE_MS: Final = 10_000
+#: Longest item id a client may give.
+MAX_ITEM_ID_CHARS: Final = 256
 
-#: Session fields a Realtime client may send that the edge accepts and does not act on (their
-#: values change nothing here: one voice, no tracing, no token limits). Anything else unknown
-#: is refused with ``unknown_parameter``, as OpenAI does.
-IGNORED_SESSION_FIELDS: Final = frozenset(
+#: Content part types a message of each role may hold.
+CONTENT_TYPES: Final = {
+    "user": frozenset({"input_text", "input_audio", "input_image"}),
+    "system": frozenset({"input_text"}),
+    "assistant": frozenset({"output_text", "output_audio", "text", "audio"}),
+}
+
+#: ``response.create`` parameters the API defines that the edge accepts: ``metadata`` and
+#: ``output_modalities`` come back in the response; the others (per-response instructions, tools,
+#: voice, token limits) are accepted and do not change what this model says.
+RESPONSE_FIELDS: Final = frozenset(
     {
-        "type",
-        "object",
-        "id",
-        "model",
-        "expires_at",
-        "include",
-        "max_output_tokens",
-        "prompt",
+        "conversation",
+        "input",
+        "metadata",
+        "output_modalities",
+        "instructions",
+        "tools",
         "tool_choice",
-        "tracing",
-        "truncation",
-        "parallel_tool_calls",
-        "reasoning",
-        "voice",  # the beta's place for it; GA clients send audio.output.voice
+        "max_output_tokens",
+        "audio",
+        "prompt",
+        # the beta's names
+        "modalities",
+        "voice",
+        "temperature",
+        "output_audio_format",
+        "max_response_output_tokens",
     }
 )
-IGNORED_INPUT_FIELDS: Final = frozenset({"transcription", "noise_reduction"})
-IGNORED_OUTPUT_FIELDS: Final = frozenset({"voice", "speed"})
-
-
-class RealtimeError(Exception):
-    """A client event the edge refuses: sent back as an ``error`` event; the connection goes on."""
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        *,
-        param: str | None = None,
-        event_id: str | None = None,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-        self.event_id = event_id
-        self.type = type
-
-    def to_error(self) -> dict[str, Any]:
-        """The ``error`` object of an ``error`` event."""
-        return {
-            "type": self.type,
-            "code": self.code,
-            "message": self.message,
-            "param": self.param,
-            "event_id": self.event_id,
-        }
 
 
 # ---- commands -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TurnSetting:
-    """``audio.input.turn_detection``: ``server_vad`` (``vad``) or ``null`` (the client commits)."""
-
-    vad: bool
-    silence_ms: int = 0
-    create_response: bool = True
-    interrupt_response: bool = True
-
-    def to_proto(self) -> session_pb2.TurnDetection:
-        if not self.vad:
-            return session_pb2.TurnDetection(auto_respond=False, barge_in=False)
-        return session_pb2.TurnDetection(
-            auto_respond=self.create_response, silence_ms=self.silence_ms, barge_in=self.interrupt_response
-        )
-
-
-#: ``audio.input.turn_detection`` when the client has not set it: the API's default.
-DEFAULT_TURN: Final = TurnSetting(vad=True)
-
-
-@dataclass(frozen=True)
-class UpdateSession:
-    event_id: str | None
-    input_format: PcmFormat | None = None
-    output_format: PcmFormat | None = None
-    turn: TurnSetting | None = None
-    instructions: str | None = None
-    output_modalities: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +87,9 @@ class ClearAudio:
 @dataclass(frozen=True)
 class CreateResponse:
     event_id: str | None
+    metadata: dict[str, Any] | None = None
+    output_modalities: tuple[str, ...] | None = None
+    max_output_tokens: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,17 +107,42 @@ class TruncateItem:
 
 
 @dataclass(frozen=True)
-class CreateItem:
-    """``conversation.item.create`` of what the model can take: a user message of audio (appended
-    and committed as a turn) or a function call's output."""
-
+class DeleteItem:
     event_id: str | None
     item_id: str
-    audio: bytes = b""
-    call_id: str = ""
-    output: str = ""
+
+
+@dataclass(frozen=True)
+class RetrieveItem:
+    event_id: str | None
+    item_id: str
+
+
+@dataclass(frozen=True)
+class CreateItem:
+    """``conversation.item.create``: the item as the conversation keeps it (``item``, its id ""
+    when the client gave none). What the model takes goes on to it: a user message's audio (as a
+    committed turn) and a function call's output; the rest (text, images, the client's own
+    assistant and system messages, function calls) is kept in the conversation only."""
+
+    event_id: str | None
+    item: dict[str, Any]
     previous_item_id: str | None = None
-    kind: str = field(default="audio")
+    audio: bytes = b""
+    kind: str = field(default="kept")
+    """``audio`` (a turn), ``function_call_output`` (to the model) or ``kept``."""
+
+    @property
+    def item_id(self) -> str:
+        return str(self.item.get("id") or "")
+
+    @property
+    def call_id(self) -> str:
+        return str(self.item.get("call_id") or "")
+
+    @property
+    def output(self) -> str:
+        return str(self.item.get("output") or "")
 
 
 Command = (
@@ -179,19 +153,14 @@ Command = (
     | CreateResponse
     | CancelResponse
     | TruncateItem
+    | DeleteItem
+    | RetrieveItem
     | CreateItem
 )
 
 #: Client event types of the API that the edge does not serve (each answered with an error
 #: naming it, ``unsupported_event``); any other type is ``unknown_event``.
-UNSUPPORTED_EVENTS: Final = frozenset(
-    {
-        "conversation.item.delete",
-        "conversation.item.retrieve",
-        "output_audio_buffer.clear",
-        "transcription_session.update",
-    }
-)
+UNSUPPORTED_EVENTS: Final = frozenset({"output_audio_buffer.clear", "transcription_session.update"})
 
 
 # ---- parsing ------------------------------------------------------------------------------
@@ -225,24 +194,8 @@ def parse_client_event(data: str | bytes, input_format: PcmFormat) -> Command:
         raise
 
 
-def _object(value: object, param: str, *, nullable: bool = False) -> dict[str, Any] | None:
-    if value is None and nullable:
-        return None
-    if not isinstance(value, dict):
-        raise RealtimeError("invalid_type", f"'{param}' must be an object", param=param)
-    return value
-
-
-def _check_known(obj: dict[str, Any], known: frozenset[str], prefix: str) -> None:
-    for key in obj:
-        if key not in known:
-            raise RealtimeError(
-                "unknown_parameter", f"unknown parameter '{prefix}.{echo(key)}'", param=f"{prefix}.{key}"
-            )
-
-
-def _string(obj: dict[str, Any], key: str, param: str, *, required: bool = True) -> str:
-    value = obj.get(key)
+def _string(o: dict[str, Any], key: str, param: str, *, required: bool = True) -> str:
+    value = o.get(key)
     if value is None and not required:
         return ""
     if not isinstance(value, str):
@@ -250,122 +203,13 @@ def _string(obj: dict[str, Any], key: str, param: str, *, required: bool = True)
     return value
 
 
-def _int(obj: dict[str, Any], key: str, param: str, *, low: int = 0, high: int = 2**53) -> int:
-    value = obj.get(key)
+def _int(o: dict[str, Any], key: str, param: str, *, low: int = 0, high: int = 2**53) -> int:
+    value = o.get(key)
     if not isinstance(value, int) or isinstance(value, bool):
         raise RealtimeError("invalid_type", f"'{param}' must be an integer", param=param)
     if not low <= value <= high:
         raise RealtimeError("invalid_value", f"'{param}' must be within {low}..{high}", param=param)
     return value
-
-
-def _bool(obj: dict[str, Any], key: str, param: str, default: bool) -> bool:
-    value = obj.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RealtimeError("invalid_type", f"'{param}' must be a boolean", param=param)
-    return value
-
-
-def parse_format(value: object, param: str) -> PcmFormat:
-    """A Realtime audio format object to the session service's format."""
-    fmt = _object(value, param)
-    assert fmt is not None
-    kind = fmt.get("type")
-    if not isinstance(kind, str) or kind not in FORMATS:
-        raise RealtimeError(
-            "invalid_value",
-            f"'{param}.type' must be one of {', '.join(FORMATS)} (got {echo(kind)})",
-            param=f"{param}.type",
-        )
-    rate = fmt.get("rate")
-    if kind == "audio/pcm" and rate is not None and rate != PCM24K.sample_rate_hz:
-        raise RealtimeError(
-            "invalid_value", f"'{param}.rate' must be 24000 for audio/pcm", param=f"{param}.rate"
-        )
-    return FORMATS[kind]
-
-
-def format_object(fmt: PcmFormat) -> dict[str, Any]:
-    """The Realtime format object of a format ``FORMATS`` holds."""
-    for kind, known in FORMATS.items():
-        if known == fmt:
-            return {"type": kind, "rate": fmt.sample_rate_hz} if kind == "audio/pcm" else {"type": kind}
-    raise ValueError(f"no Realtime format for {fmt}")
-
-
-def parse_turn_detection(value: object, param: str) -> TurnSetting:
-    if value is None:
-        return TurnSetting(vad=False)
-    td = _object(value, param)
-    assert td is not None
-    kind = td.get("type", "server_vad")
-    if kind != "server_vad":
-        raise RealtimeError(
-            "unsupported_turn_detection",
-            f"'{param}.type' must be server_vad or the whole field null (got {echo(kind)})",
-            param=f"{param}.type",
-        )
-    silence = 0
-    if td.get("silence_duration_ms") is not None:
-        silence = _int(
-            td, "silence_duration_ms", f"{param}.silence_duration_ms", low=MIN_SILENCE_MS, high=MAX_SILENCE_MS
-        )
-    return TurnSetting(
-        vad=True,
-        silence_ms=silence,
-        create_response=_bool(td, "create_response", f"{param}.create_response", True),
-        interrupt_response=_bool(td, "interrupt_response", f"{param}.interrupt_response", True),
-    )
-
-
-def _session_update(event: dict[str, Any], event_id: str | None, _fmt: PcmFormat) -> UpdateSession:
-    session = _object(event.get("session"), "session")
-    assert session is not None
-    known = IGNORED_SESSION_FIELDS | {"instructions", "output_modalities", "audio", "tools"}
-    _check_known(session, known, "session")
-    kind = session.get("type", "realtime")
-    if kind != "realtime":
-        raise RealtimeError(
-            "unsupported_session_type",
-            f"session.type must be realtime (got {echo(kind)})",
-            param="session.type",
-        )
-    if session.get("tools"):
-        raise RealtimeError(
-            "unsupported_tools",
-            "this model calls no tools: session.tools must be empty",
-            param="session.tools",
-        )
-    instructions = (
-        _string(session, "instructions", "session.instructions") if "instructions" in session else None
-    )
-    modalities: tuple[str, ...] | None = None
-    if "output_modalities" in session:
-        value = session["output_modalities"]
-        if not isinstance(value, list) or not value or any(m not in ("audio", "text") for m in value):
-            raise RealtimeError(
-                "invalid_value",
-                "session.output_modalities must be a non-empty list of 'audio' and 'text'",
-                param="session.output_modalities",
-            )
-        modalities = tuple(dict.fromkeys(value))
-    input_format = output_format = None
-    turn: TurnSetting | None = None
-    audio = _object(session.get("audio"), "session.audio", nullable=True) or {}
-    _check_known(audio, frozenset({"input", "output"}), "session.audio")
-    inp = _object(audio.get("input"), "session.audio.input", nullable=True) or {}
-    _check_known(inp, IGNORED_INPUT_FIELDS | {"format", "turn_detection"}, "session.audio.input")
-    if inp.get("format") is not None:
-        input_format = parse_format(inp["format"], "session.audio.input.format")
-    if "turn_detection" in inp:
-        turn = parse_turn_detection(inp["turn_detection"], "session.audio.input.turn_detection")
-    out = _object(audio.get("output"), "session.audio.output", nullable=True) or {}
-    _check_known(out, IGNORED_OUTPUT_FIELDS | {"format"}, "session.audio.output")
-    if out.get("format") is not None:
-        output_format = parse_format(out["format"], "session.audio.output.format")
-    return UpdateSession(event_id, input_format, output_format, turn, instructions, modalities)
 
 
 def decode_audio(value: object, param: str, fmt: PcmFormat) -> bytes:
@@ -387,6 +231,10 @@ def decode_audio(value: object, param: str, fmt: PcmFormat) -> bytes:
     return audio
 
 
+def _session_update(event: dict[str, Any], event_id: str | None, _fmt: PcmFormat) -> UpdateSession:
+    return parse_session_update(event, event_id)
+
+
 def _append(event: dict[str, Any], event_id: str | None, fmt: PcmFormat) -> AppendAudio:
     return AppendAudio(event_id, decode_audio(event.get("audio"), "audio", fmt))
 
@@ -400,11 +248,15 @@ def _clear(_event: dict[str, Any], event_id: str | None, _fmt: PcmFormat) -> Cle
 
 
 def _response_create(event: dict[str, Any], event_id: str | None, _fmt: PcmFormat) -> CreateResponse:
-    response = _object(event.get("response"), "response", nullable=True) or {}
-    if response.get("conversation") == "none":
+    response = obj(event.get("response"), "response", nullable=True) or {}
+    for key in response:
+        if key not in RESPONSE_FIELDS:
+            param = f"response.{key}"
+            raise RealtimeError("unknown_parameter", f"unknown parameter '{echo(param)}'", param=param)
+    if response.get("conversation") not in (None, "auto"):
         raise RealtimeError(
             "unsupported_parameter",
-            "out-of-band responses (response.conversation = none) are not supported",
+            "out-of-band responses (response.conversation other than auto) are not supported",
             param="response.conversation",
         )
     if response.get("input"):
@@ -413,7 +265,28 @@ def _response_create(event: dict[str, Any], event_id: str | None, _fmt: PcmForma
             "response.input is not supported: the model answers the conversation",
             param="response.input",
         )
-    return CreateResponse(event_id)
+    metadata = obj(response.get("metadata"), "response.metadata", nullable=True)
+    modalities = response.get("output_modalities")
+    if modalities is not None and (
+        not isinstance(modalities, list)
+        or not modalities
+        or any(m not in ("audio", "text") for m in modalities)
+    ):
+        raise RealtimeError(
+            "invalid_value",
+            "response.output_modalities must be a non-empty list of 'audio' and 'text'",
+            param="response.output_modalities",
+        )
+    tokens = response.get("max_output_tokens")
+    if tokens is not None and tokens != "inf" and (not isinstance(tokens, int) or isinstance(tokens, bool)):
+        raise RealtimeError(
+            "invalid_value",
+            "response.max_output_tokens must be an integer or 'inf'",
+            param="response.max_output_tokens",
+        )
+    return CreateResponse(
+        event_id, metadata, tuple(dict.fromkeys(modalities)) if modalities is not None else None, tokens
+    )
 
 
 def _response_cancel(event: dict[str, Any], event_id: str | None, _fmt: PcmFormat) -> CancelResponse:
@@ -431,45 +304,85 @@ def _truncate(event: dict[str, Any], event_id: str | None, _fmt: PcmFormat) -> T
     )
 
 
+def _delete(event: dict[str, Any], event_id: str | None, _fmt: PcmFormat) -> DeleteItem:
+    return DeleteItem(event_id, _string(event, "item_id", "item_id"))
+
+
+def _retrieve(event: dict[str, Any], event_id: str | None, _fmt: PcmFormat) -> RetrieveItem:
+    return RetrieveItem(event_id, _string(event, "item_id", "item_id"))
+
+
+def _content(part: object, i: int, role: str, fmt: PcmFormat) -> tuple[dict[str, Any], bytes]:
+    """One content part as kept (audio and image data are not kept), and its audio."""
+    param = f"item.content[{i}]"
+    p = obj(part, param)
+    assert p is not None
+    kind = p.get("type")
+    if kind not in CONTENT_TYPES[role]:
+        allowed = ", ".join(sorted(CONTENT_TYPES[role]))
+        raise RealtimeError(
+            "invalid_value",
+            f"a {role} message's content is {allowed} (got {echo(kind)})",
+            param=f"{param}.type",
+        )
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": kind, "text": _string(p, "text", f"{param}.text")}, b""
+    if kind == "input_image":
+        return {"type": kind, "detail": p.get("detail") or "auto"}, b""
+    transcript = _string(p, "transcript", f"{param}.transcript", required=False) or None
+    audio = b""
+    if kind == "input_audio":
+        audio = decode_audio(p.get("audio"), f"{param}.audio", fmt)
+    return {"type": kind, "transcript": transcript}, audio
+
+
 def _item_create(event: dict[str, Any], event_id: str | None, fmt: PcmFormat) -> CreateItem:
-    item = _object(event.get("item"), "item")
+    item = obj(event.get("item"), "item")
     assert item is not None
     item_id = _string(item, "id", "item.id", required=False)
+    if len(item_id) > MAX_ITEM_ID_CHARS:
+        raise RealtimeError("invalid_value", f"item.id is longer than {MAX_ITEM_ID_CHARS}", param="item.id")
     previous = event.get("previous_item_id")
-    previous_id = previous if isinstance(previous, str) else None
-    kind = item.get("type")
-    if kind == "function_call_output":
-        return CreateItem(
-            event_id,
-            item_id,
-            call_id=_string(item, "call_id", "item.call_id"),
-            output=_string(item, "output", "item.output"),
-            previous_item_id=previous_id,
-            kind="function_call_output",
-        )
-    if kind != "message":
-        raise RealtimeError(
-            "unsupported_item", f"items of type {echo(kind)} are not supported", param="item.type"
-        )
-    if item.get("role") != "user":
-        raise RealtimeError(
-            "unsupported_item", "only user messages can be added: the model writes its own", param="item.role"
-        )
+    if previous is not None and not isinstance(previous, str):
+        raise RealtimeError("invalid_type", "'previous_item_id' must be a string", param="previous_item_id")
+    kept: dict[str, Any] = {"id": item_id, "object": "realtime.item", "type": item.get("type")}
+    status = item.get("status") or "completed"
+    match item.get("type"):
+        case "function_call_output":
+            kept |= {
+                "status": status,
+                "call_id": _string(item, "call_id", "item.call_id"),
+                "output": _string(item, "output", "item.output"),
+            }
+            return CreateItem(event_id, kept, previous, kind="function_call_output")
+        case "function_call":
+            kept |= {
+                "status": status,
+                "call_id": _string(item, "call_id", "item.call_id"),
+                "name": _string(item, "name", "item.name"),
+                "arguments": _string(item, "arguments", "item.arguments", required=False),
+            }
+            return CreateItem(event_id, kept, previous)
+        case "message":
+            pass
+        case other:
+            raise RealtimeError(
+                "invalid_value", f"items of type {echo(other)} are not supported", param="item.type"
+            )
+    role = item.get("role")
+    if role not in CONTENT_TYPES:
+        raise RealtimeError("invalid_value", "item.role must be user, assistant or system", param="item.role")
     content = item.get("content")
     if not isinstance(content, list) or not content:
         raise RealtimeError("invalid_value", "item.content must be a non-empty list", param="item.content")
+    parts: list[dict[str, Any]] = []
     audio = bytearray()
     for i, part in enumerate(content):
-        part_obj = _object(part, f"item.content[{i}]")
-        assert part_obj is not None
-        if part_obj.get("type") != "input_audio":
-            raise RealtimeError(
-                "unsupported_content",
-                "this model takes audio only: content parts must be input_audio",
-                param=f"item.content[{i}].type",
-            )
-        audio += decode_audio(part_obj.get("audio"), f"item.content[{i}].audio", fmt)
-    return CreateItem(event_id, item_id, audio=bytes(audio), previous_item_id=previous_id)
+        kept_part, part_audio = _content(part, i, str(role), fmt)
+        parts.append(kept_part)
+        audio += part_audio
+    kept |= {"status": status, "role": role, "content": parts}
+    return CreateItem(event_id, kept, previous, bytes(audio), kind="audio" if audio else "kept")
 
 
 _PARSERS: Final[dict[str, Callable[[dict[str, Any], str | None, PcmFormat], Command]]] = {
@@ -480,6 +393,8 @@ _PARSERS: Final[dict[str, Callable[[dict[str, Any], str | None, PcmFormat], Comm
     "response.create": _response_create,
     "response.cancel": _response_cancel,
     "conversation.item.truncate": _truncate,
+    "conversation.item.delete": _delete,
+    "conversation.item.retrieve": _retrieve,
     "conversation.item.create": _item_create,
 }
 

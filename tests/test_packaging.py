@@ -168,7 +168,19 @@ def test_make_setup_installs_the_pinned_cpu_torch_first() -> None:
     # the CPU build first, and the worker extra's range must accept it.
     makefile = (REPO / "Makefile").read_text()
     pins = re.findall(r"pip install -q torch==(\S+)", makefile)
-    editable = makefile.find("pip install -q -e '.[worker,dev]'")
+    editable = makefile.find("pip install -q -e '.[worker,dev,frameworks]'")
     assert len(pins) == 1 and editable != -1
     assert makefile.find(f"torch=={pins[0]}") < editable
     assert _torch_requirement().specifier.contains(pins[0])
+
+
+def test_make_setup_installs_the_frameworks_and_pipecat_without_its_pins() -> None:
+    # The framework tests run in CI: make setup installs the frameworks extra, then Pipecat with
+    # --no-deps (its protobuf<7 pin would break the generated code); the extra itself never names
+    # Pipecat, so no resolver ever downgrades protobuf for it.
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"pip install -q --no-deps '\$\(PIPECAT\)'", makefile)
+    assert re.search(r"PIPECAT \?= pipecat-ai==\S+", makefile)
+    frameworks = [Requirement(r) for r in _project()["optional-dependencies"]["frameworks"]]
+    names = {r.name.lower() for r in frameworks}
+    assert "livekit-agents" in names and "pipecat-ai" not in names and "protobuf" not in names

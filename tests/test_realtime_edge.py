@@ -87,6 +87,11 @@ async def next_of(ws: Any, kind: str, timeout_s: float = 10.0) -> dict[str, Any]
         ('{"type": "bogus.event", "event_id": "e1"}', "unknown_event", "type"),
         (
             '{"type": "conversation.item.delete", "event_id": "e1", "item_id": "x"}',
+            "item_delete_invalid_item_id",
+            "item_id",
+        ),
+        (
+            '{"type": "output_audio_buffer.clear", "event_id": "e1"}',
             "unsupported_event",
             "type",
         ),
@@ -114,24 +119,19 @@ async def next_of(ws: Any, kind: str, timeout_s: float = 10.0) -> dict[str, Any]
         ),
         (
             '{"type": "session.update", "event_id": "e1", "session": '
-            '{"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}}',
-            "unsupported_turn_detection",
+            '{"audio": {"input": {"turn_detection": {"type": "speculative_vad"}}}}}',
+            "invalid_value",
             "session.audio.input.turn_detection.type",
         ),
         (
-            '{"type": "session.update", "event_id": "e1", "session": {"tools": [{"type": "function"}]}}',
-            "unsupported_tools",
-            "session.tools",
-        ),
-        (
             '{"type": "conversation.item.create", "event_id": "e1", "item": {"type": "message", '
-            '"role": "user", "content": [{"type": "input_text", "text": "hi"}]}}',
-            "unsupported_content",
+            '"role": "user", "content": [{"type": "output_text", "text": "hi"}]}}',
+            "invalid_value",
             "item.content[0].type",
         ),
         (
             '{"type": "conversation.item.truncate", "event_id": "e1", "item_id": "nope", "audio_end_ms": 0}',
-            "item_not_found",
+            "item_truncate_invalid_item_id",
             "item_id",
         ),
     ],
@@ -151,6 +151,11 @@ async def test_a_bad_event_is_an_error_and_the_connection_goes_on(
             # The connection is still up and serving.
             await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "still here"}}))
             updated = await next_of(ws, "session.updated")
+            if '"session.update"' in frame:
+                # A bad field is refused alone: the rest of its update applied, and its
+                # session.updated says what was not.
+                assert {"param": param, "reason": code} in updated["session"]["duplex"]["not_applied"]
+                updated = await next_of(ws, "session.updated")
             assert updated["session"]["instructions"] == "still here"
         finally:
             await ws.close()
@@ -161,13 +166,14 @@ async def test_an_error_the_session_service_reports_echoes_the_clients_event_id(
 ) -> None:
     async with edge(stack.target) as server, sdk(url(server)).realtime.connect(model="parrot") as conn:
         assert (await conn.recv()).type == "session.created"
-        # Nothing committed: the session service refuses, the error names the client's event.
+        # Nothing to commit: the session service refuses, the error names the client's event (in
+        # OpenAI's code for the case).
         await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
         await read_until(conn, lambda e: e.type == "session.updated")
-        await conn.response.create(event_id="my-create")
+        await conn.input_audio_buffer.commit(event_id="my-commit")
         errors = await read_until(conn, lambda e: e.type == "error")
-        assert errors[-1].error.event_id == "my-create"
-        assert errors[-1].error.code == "no_committed_input"
+        assert errors[-1].error.event_id == "my-commit"
+        assert errors[-1].error.code == "input_audio_buffer_commit_empty"
 
 
 async def test_an_unknown_model_is_an_error_and_the_socket_closes(stack: InProcessStack) -> None:

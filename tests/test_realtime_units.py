@@ -19,6 +19,7 @@ from realtime_service.protocol import (
     CLIENT_EVENTS,
     PCM24K,
     AppendAudio,
+    CommitAudio,
     CreateItem,
     RealtimeError,
     TruncateItem,
@@ -44,6 +45,8 @@ def test_every_served_client_event_parses() -> None:
         "response.create": {},
         "response.cancel": {},
         "conversation.item.truncate": {"item_id": "item_1", "content_index": 0, "audio_end_ms": 10},
+        "conversation.item.delete": {"item_id": "item_1"},
+        "conversation.item.retrieve": {"item_id": "item_1"},
         "conversation.item.create": {
             "item": {"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]}
         },
@@ -93,24 +96,52 @@ def test_session_update_maps_formats_turns_and_instructions() -> None:
 
 
 @pytest.mark.parametrize(
-    ("session", "code"),
+    ("session", "code", "param"),
     [
-        ({"type": "transcription"}, "unsupported_session_type"),
-        ({"output_modalities": []}, "invalid_value"),
-        ({"output_modalities": ["video"]}, "invalid_value"),
-        ({"instructions": 5}, "invalid_type"),
-        ({"audio": {"input": {"format": {"type": "audio/opus"}}}}, "invalid_value"),
-        ({"audio": {"input": {"turn_detection": {"silence_duration_ms": 50}}}}, "invalid_value"),
-        ({"audio": {"input": {"turn_detection": {"create_response": "yes"}}}}, "invalid_type"),
-        ({"audio": {"output": {"bitrate": 5}}}, "unknown_parameter"),
-        ({"audio": []}, "invalid_type"),
+        ({"output_modalities": []}, "invalid_value", "session.output_modalities"),
+        ({"output_modalities": ["video"]}, "invalid_value", "session.output_modalities"),
+        ({"instructions": 5}, "invalid_type", "session.instructions"),
+        (
+            {"audio": {"input": {"format": {"type": "audio/opus"}}}},
+            "invalid_value",
+            "session.audio.input.format.type",
+        ),
+        (
+            {"audio": {"input": {"turn_detection": {"silence_duration_ms": 50}}}},
+            "invalid_value",
+            "session.audio.input.turn_detection.silence_duration_ms",
+        ),
+        (
+            {"audio": {"input": {"turn_detection": {"create_response": "yes"}}}},
+            "invalid_type",
+            "session.audio.input.turn_detection.create_response",
+        ),
+        ({"audio": {"output": {"bitrate": 5}}}, "unknown_parameter", "session.audio.output.bitrate"),
+        ({"audio": []}, "invalid_type", "session.audio"),
     ],
 )
-def test_a_bad_session_update_is_refused_with_its_code(session: dict[str, Any], code: str) -> None:
-    with pytest.raises(RealtimeError) as err:
-        parse({"type": "session.update", "event_id": "x", "session": session})
-    assert err.value.code == code and err.value.event_id == "x"
-    assert err.value.to_error()["type"] == "invalid_request_error"
+def test_a_bad_field_of_a_session_update_is_refused_alone(
+    session: dict[str, Any], code: str, param: str
+) -> None:
+    # The bad field is refused with its code and param; the rest of the update still applies.
+    command = parse(
+        {"type": "session.update", "event_id": "x", "session": {**session, "instructions": "kept"}}
+    )
+    if "instructions" in session:
+        command = parse({"type": "session.update", "event_id": "x", "session": session})
+    assert isinstance(command, UpdateSession)
+    assert [(e.code, e.param, e.event_id) for e in command.problems] == [(code, param, "x")]
+    assert command.problems[0].to_error()["type"] == "invalid_request_error"
+    assert (param, code) in command.not_applied
+    if "instructions" not in session:
+        assert command.instructions == "kept"
+
+
+def test_an_update_that_is_not_one_is_refused_whole() -> None:
+    for session in ({"type": "transcription"}, None, []):
+        with pytest.raises(RealtimeError) as err:
+            parse({"type": "session.update", "event_id": "x", "session": session})
+        assert err.value.event_id == "x"
 
 
 def test_appends_hold_whole_samples_of_the_input_format() -> None:
@@ -132,7 +163,7 @@ def test_a_long_event_id_is_echoed_bounded() -> None:
     assert err.value.event_id == "e" * 256
 
 
-def test_items_the_model_can_take() -> None:
+def test_items_the_model_can_take_and_items_kept() -> None:
     item = parse(
         {
             "type": "conversation.item.create",
@@ -140,10 +171,26 @@ def test_items_the_model_can_take() -> None:
         }
     )
     assert isinstance(item, CreateItem) and item.kind == "function_call_output" and item.call_id == "c1"
+    # What the model does not take is kept in the conversation (no audio or image data is).
+    for kept in (
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+        {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "be brief"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+    ):
+        command = parse({"type": "conversation.item.create", "item": kept})
+        assert isinstance(command, CreateItem) and command.kind == "kept" and not command.audio
     for bad, code in (
-        ({"type": "message", "role": "assistant", "content": []}, "unsupported_item"),
-        ({"type": "function_call", "name": "f"}, "unsupported_item"),
         ({"type": "message", "role": "user", "content": []}, "invalid_value"),
+        (
+            {"type": "message", "role": "critic", "content": [{"type": "input_text", "text": "x"}]},
+            "invalid_value",
+        ),
+        (
+            {"type": "message", "role": "system", "content": [{"type": "input_audio", "audio": "AAA="}]},
+            "invalid_value",
+        ),
+        ({"type": "reasoning"}, "invalid_value"),
     ):
         with pytest.raises(RealtimeError) as err:
             parse({"type": "conversation.item.create", "item": bad})
@@ -271,7 +318,19 @@ def test_without_server_vad_no_speech_events_are_reported() -> None:
 
 def test_a_created_item_keeps_its_id_and_is_not_a_buffer_commit() -> None:
     conv = conversation()
-    assert conv.expect_created_item("mine") == "mine"
+    audio = base64.b64encode(b"\0\0" * 480).decode()
+    command = parse(
+        {
+            "type": "conversation.item.create",
+            "item": {
+                "id": "mine",
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_audio", "audio": audio}],
+            },
+        }
+    )
+    assert conv.create_item(command) == []  # added when its turn is committed
     committed = conv.on_event(ev(committed=session_pb2.InputCommitted(turn_id=1)))
     assert kinds(committed) == ["conversation.item.added", "conversation.item.done"]
     assert committed[0]["item"]["id"] == "mine"
@@ -279,9 +338,12 @@ def test_a_created_item_keeps_its_id_and_is_not_a_buffer_commit() -> None:
 
 def test_a_session_service_error_names_the_clients_event() -> None:
     conv = conversation()
-    conv.remember_client_event("c17", "client-evt")
+    conv.remember_client_event("c17", CommitAudio("client-evt"))
     out = conv.on_event(ev(error=session_pb2.Error(code="no_committed_input", message="m", event_id="c17")))
-    assert out[0]["error"]["event_id"] == "client-evt" and out[0]["error"]["type"] == "invalid_request_error"
+    error = out[0]["error"]
+    assert error["event_id"] == "client-evt" and error["type"] == "invalid_request_error"
+    # OpenAI's code for the case, the session service's in a field of its own.
+    assert error["code"] == "input_audio_buffer_commit_empty" and error["duplex_code"] == "no_committed_input"
     out = conv.on_event(ev(error=session_pb2.Error(code="worker_unavailable", message="m")))
     assert out[0]["error"]["event_id"] is None and out[0]["error"]["type"] == "server_error"
 

@@ -1124,6 +1124,7 @@ class ResponseStarted(_message.Message):
     TURN_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
+    EVENT_ID_FIELD_NUMBER: _builtins.int
     response_id: _builtins.str
     """Server-assigned response id."""
     turn_id: _builtins.int
@@ -1132,6 +1133,11 @@ class ResponseStarted(_message.Message):
     """The epoch it runs in."""
     resume_token: _builtins.str
     """A fresh token for `resume`: it knows this response is in progress."""
+    event_id: _builtins.str
+    """The `event_id` of the `response_create` that started it; empty for a
+    response the server started (turn detection answering a turn, or a
+    restart after a failover).
+    """
     def __init__(
         self,
         *,
@@ -1139,10 +1145,11 @@ class ResponseStarted(_message.Message):
         turn_id: _builtins.int = ...,
         epoch: _builtins.int = ...,
         resume_token: _builtins.str = ...,
+        event_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "response_id", b"response_id", "resume_token", b"resume_token", "turn_id", b"turn_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "event_id", b"event_id", "response_id", b"response_id", "resume_token", b"resume_token", "turn_id", b"turn_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

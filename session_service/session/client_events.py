@@ -76,7 +76,7 @@ class ClientEvents(Failover):
             case "clear":
                 await self._on_clear()
             case "response_create":
-                await self._on_response_create(ev.response_create)
+                await self._on_response_create(ev.response_create, ev.event_id)
             case "response_cancel":
                 self._on_response_cancel(ev.response_cancel)
             case "barge_in":
@@ -423,7 +423,7 @@ class ClientEvents(Failover):
         self.input_status = InputStatus.OPEN
         self.emitter.emit("cleared", session_pb2.InputCleared())
 
-    async def _on_response_create(self, rc: session_pb2.ResponseCreate) -> None:
+    async def _on_response_create(self, rc: session_pb2.ResponseCreate, event_id: str) -> None:
         # Bound first: a move restarts an interrupted response, which this one must then not orphan.
         await self._bound_link()
         if self.response is not None:
@@ -445,7 +445,7 @@ class ClientEvents(Failover):
         if self.response is not None:  # (placing again may restart one)
             raise BadEventError(ErrorCode.RESPONSE_IN_PROGRESS, "a response is already active")
         del link
-        self._start_response(self._commit_at, params)
+        self._start_response(self._commit_at, params, event_id=event_id)
 
     def _on_response_cancel(self, rc: session_pb2.ResponseCancel) -> None:
         resp = self.response

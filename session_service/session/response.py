@@ -160,9 +160,10 @@ class ActiveResponse:
     """A speech span a model-native model started itself: its output carries the fences of the
     input that clocked it (any turn), so only its epoch fences it; spans come one after another."""
 
-    def started(self) -> session_pb2.ResponseStarted:
+    def started(self, event_id: str = "") -> session_pb2.ResponseStarted:
+        """The ``response_started`` that begins it (``event_id``: the ``response_create`` asking)."""
         return session_pb2.ResponseStarted(
-            response_id=self.response_id, turn_id=self.turn_id, epoch=self.epoch
+            response_id=self.response_id, turn_id=self.turn_id, epoch=self.epoch, event_id=event_id
         )
 
     def done(

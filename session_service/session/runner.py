@@ -399,17 +399,23 @@ class SessionRunner(Staging):
     # ---- responses and silence continuation ------------------------------------------------
 
     def _start_response(
-        self, started_at: float, params: dict[str, Any] | None = None, *, restart: Restart | None = None
+        self,
+        started_at: float,
+        params: dict[str, Any] | None = None,
+        *,
+        restart: Restart | None = None,
+        event_id: str = "",
     ) -> None:
-        """Start a response to the committed input: for a new turn, or (``restart``) again for
-        the turn of one its worker or replica lost."""
+        """Start a response to the committed input: for a new turn (``event_id``: the
+        ``response_create`` that asked for it), or (``restart``) again for the turn of one its
+        worker or replica lost."""
         if self._stages is not None:
-            self._start_staged(started_at, params, restart)
+            self._start_staged(started_at, params, restart, event_id)
             return
         link = self.link
         if link is None or not link.healthy:
             raise UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the session's worker is unavailable")
-        resp = self._begin_response(started_at, params, restart)
+        resp = self._begin_response(started_at, params, restart, event_id)
         sub = self._plugin.plan_control(
             request_id=self.session_id,
             fence=self._fence(),

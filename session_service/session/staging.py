@@ -67,7 +67,7 @@ class Staging(SilenceFeeding):
         self._check_overflow()
 
     def _start_staged(
-        self, started_at: float, params: dict[str, Any] | None, restart: Restart | None
+        self, started_at: float, params: dict[str, Any] | None, restart: Restart | None, event_id: str
     ) -> None:
         """A response of a plugin served in stages: it begins now; the stages get the turn's
         transcript (the reply's input) as soon as it is there."""
@@ -77,7 +77,7 @@ class Staging(SilenceFeeding):
                 ErrorCode.UNSUPPORTED_BY_MODEL,
                 "a model served in stages takes its options from session.update, not per response",
             )
-        resp = self._begin_response(started_at, None, restart)
+        resp = self._begin_response(started_at, None, restart, event_id)
         self._stages.begin(resp)
 
     def on_worker_lost(self, link: WorkerHandle) -> None:

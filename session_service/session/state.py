@@ -309,7 +309,12 @@ class SessionState:
         )
 
     def _begin_response(
-        self, started_at: float, params: dict[str, Any] | None, restart: Restart | None, native: bool = False
+        self,
+        started_at: float,
+        params: dict[str, Any] | None,
+        restart: Restart | None,
+        event_id: str = "",
+        native: bool = False,
     ) -> ActiveResponse:
         """A response starts (``_start_response`` hands it to the worker; a ``native`` one the
         model started itself): the turn is answered and ``response_started`` queued."""
@@ -341,7 +346,7 @@ class SessionState:
         self.turn_status = TurnStatus.LISTENING
         self.state.context_locked = True
         self.last_response = (response_id, turn_id, ACTIVE)
-        started = resp.started()
+        started = resp.started(event_id)
         started.resume_token = self._fresh_token()
         self.emitter.emit("response_started", started)
         return resp
@@ -463,9 +468,7 @@ class SessionState:
 
     # ---- what the shell does (overridden by ``SessionRunner``) -----------------------------
 
-    def _start_response(
-        self, started_at: float, params: dict[str, Any] | None = None, *, restart: Restart | None = None
-    ) -> None:
+    def _start_response(self, started_at: float, *args: Any, **kwargs: Any) -> None:
         """Start a response: ``_begin_response``, then hand it to the worker (I/O: the shell's)."""
         raise NotImplementedError
 
