@@ -26,7 +26,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[worker,dev,frameworks]'
-	$(BIN)/pip install -q --no-deps moshi==$(MOSHI_VERSION) '$(PIPECAT)'
+	$(BIN)/pip install -q --no-deps moshi==$(MOSHI_VERSION)
+	$(BIN)/pip install -q --no-deps '$(PIPECAT)'
 	touch $@
 
 # Regenerate the committed protobuf code (messages, stubs, .pyi types).

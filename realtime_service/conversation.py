@@ -32,6 +32,9 @@ Event = dict[str, Any]
 #: Assistant items whose response id is remembered for ``conversation.item.truncate``.
 MAX_REMEMBERED_ITEMS: Final = 64
 
+#: Committed turns whose user item is remembered (their transcript may come after the commit).
+MAX_TURNS_REMEMBERED: Final = 16
+
 #: Client commands remembered (to name them in errors the session service reports later).
 MAX_REMEMBERED_EVENT_IDS: Final = 512
 
@@ -77,6 +80,8 @@ class Conversation:
         self._item_ids = itertools.count(1)
         self._user_item = ""
         """The id of the user item the current input will become (given at speech start)."""
+        self._turn_items: OrderedDict[int, str] = OrderedDict()
+        """Committed turn -> its user item (its transcript may come after: ``input_transcribed``)."""
         self._created_items: deque[CreateItem] = deque()
         """Audio items of ``conversation.item.create`` whose commits are on their way, in order."""
         self._responses: dict[str, _Response] = {}
@@ -193,15 +198,40 @@ class Conversation:
     def _committed(self, ev: session_pb2.ServerEvent) -> list[Event]:
         if self._created_items:
             created = self._created_items.popleft()
+            self._remember_turn(ev.committed.turn_id, created.item["id"])
             return self._added(created.item, created.previous_item_id)
         item_id = (
             self._user_item if self._user_item and self._user_item not in self.items else self.new_item_id()
         )
         self._user_item = ""
+        self._remember_turn(ev.committed.turn_id, item_id)
         committed = self._event(
             "input_audio_buffer.committed", item_id=item_id, previous_item_id=self.items.last
         )
         return [committed, *self._added(user_audio_item(item_id))]
+
+    def _remember_turn(self, turn_id: int, item_id: str) -> None:
+        self._turn_items[turn_id] = item_id
+        while len(self._turn_items) > MAX_TURNS_REMEMBERED:
+            self._turn_items.popitem(last=False)
+
+    def _input_transcribed(self, ev: session_pb2.ServerEvent) -> list[Event]:
+        """The words of a committed turn: its user item's transcript (OpenAI's event for the end
+        of a transcription of the item's audio)."""
+        t = ev.input_transcribed
+        item_id = self._turn_items.get(t.turn_id)
+        if item_id is None:
+            return []
+        self.items.update(item_id, content=[{"type": "input_audio", "transcript": t.transcript}])
+        return [
+            self._event(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=item_id,
+                content_index=0,
+                transcript=t.transcript,
+                usage={"type": "duration", "seconds": 0},
+            )
+        ]
 
     def _cleared(self, _ev: session_pb2.ServerEvent) -> list[Event]:
         self._user_item = ""
@@ -456,6 +486,7 @@ _HANDLERS: Final = {
     "audio_delta": Conversation._audio_delta,
     "text_delta": Conversation._text_delta,
     "transcript_delta": Conversation._transcript_delta,
+    "input_transcribed": Conversation._input_transcribed,
     "response_done": Conversation._response_done_event,
     "error": Conversation._error,
 }

@@ -372,6 +372,9 @@ def turn_object(turn: TurnSetting) -> dict[str, Any] | None:
     return td
 
 
+_TRANSCRIPTION: Final = "session.audio.input.transcription"
+
+
 def session_object(
     s: Settings,
     session_id: str,
@@ -382,18 +385,35 @@ def session_object(
     """The session as ``session.created``/``session.updated`` report it: what is in force, and in
     ``duplex`` (a field of this server's own) what the model can take and, answering an update,
     what of it was not applied."""
+    native = caps.turn_policy == session_pb2.TURN_POLICY_MODEL_NATIVE
     duplex: dict[str, Any] = {
         "capabilities": {
             "input": ["audio"],
             "output_modalities": list(caps.modalities) or list(s.output_modalities),
             "function_calling": False,
-            "input_transcription": False,
-            "turn_detection": ["server_vad", "semantic_vad"] if caps.turn_detection else [],
+            "input_transcription": caps.input_transcription,
+            "turn_detection": ["semantic_vad"]
+            if native
+            else ["server_vad", "semantic_vad"]
+            if caps.turn_detection
+            else [],
             "kept_not_heard": ["input_text", "input_image", "assistant_message", "system_message"],
         },
     }
-    if s.turn.vad:
+    turn = turn_object(s.turn)
+    if native:
+        # The API's nearest word for it: the model itself judges when the user is done (and when
+        # to stop); nothing of it can be set (duplex's turn_policy: model_native).
+        turn = {
+            "type": "semantic_vad",
+            "eagerness": "auto",
+            "create_response": True,
+            "interrupt_response": True,
+        }
+    elif s.turn.vad:
         duplex["turn_detection"] = {"silence_duration_ms": s.turn.to_proto().silence_ms or None}
+    if caps.input_transcription:  # it transcribes whatever the client asked: not "not applied"
+        not_applied = tuple((p, why) for p, why in not_applied if not p.startswith(_TRANSCRIPTION))
     if not_applied:
         duplex["not_applied"] = [{"param": p, "reason": why} for p, why in not_applied]
     return {
@@ -406,8 +426,9 @@ def session_object(
         "audio": {
             "input": {
                 "format": format_object(s.input_format),
-                "turn_detection": turn_object(s.turn),
-                "transcription": None,
+                "turn_detection": turn,
+                # The model's own recognizer (the user's words come whatever was asked).
+                "transcription": {"model": model} if caps.input_transcription else None,
                 "noise_reduction": None,
             },
             "output": {"format": format_object(s.output_format), "voice": model, "speed": 1.0},

@@ -143,7 +143,7 @@ def test_tts_speaks_each_sentence_as_it_comes_with_its_text_at_its_first_frame(t
     assert abs(len(audio) - len(want)) <= FRAME + 64
     assert float(np.sqrt(np.mean(audio**2))) > 0.01  # speech, not silence
     first_len = len(synthesized("Hello there."))
-    assert [text for _, text in marks] == ["Hello there.", "How are you?"]
+    assert [text for _, text in marks] == ["Hello there.", " How are you?"]  # the reply's text, whole
     assert marks[0][0] == 0 and abs(marks[1][0] - first_len // FRAME) <= 1
     assert news[0].response_started and news[-1].response_finished
 
@@ -160,7 +160,7 @@ def test_tts_leaves_out_what_a_client_heard_from_a_lost_worker(tts: TtsModel) ->
     # What is left of the reply, from where the client was (to within eSpeak NG's few samples).
     assert abs(len(audio) - (len(whole) - skip)) <= FRAME + 64
     # The sentence heard in part had its text; only the next one's goes out.
-    assert [text for _, text in marks] == ["How are you?"]
+    assert [text for _, text in marks] == [" How are you?"]
 
 
 def test_tts_ends_a_reply_with_nothing_to_say_and_a_clear_drops_a_reply(tts: TtsModel) -> None:

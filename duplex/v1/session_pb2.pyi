@@ -762,6 +762,7 @@ class Capabilities(_message.Message):
     TURN_POLICY_FIELD_NUMBER: _builtins.int
     MODEL_BARGE_IN_FIELD_NUMBER: _builtins.int
     FRAME_PERIOD_MS_FIELD_NUMBER: _builtins.int
+    INPUT_TRANSCRIPTION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The plugin id, e.g. "parrot"."""
     max_sessions: _builtins.int
@@ -792,6 +793,11 @@ class Capabilities(_message.Message):
     """
     frame_period_ms: _builtins.int
     """The model's frame period: it hears and speaks in frames this long."""
+    input_transcription: _builtins.bool
+    """Whether the model recognizes what the user says: the user's words come as
+    `transcript_delta{role="user"}` while they speak and whole in
+    `input_transcribed` after each committed turn.
+    """
     @_builtins.property
     def input_formats(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AudioFormat]:
         """Input formats the session accepts."""
@@ -819,10 +825,11 @@ class Capabilities(_message.Message):
         turn_policy: Global___TurnPolicy.ValueType = ...,
         model_barge_in: _builtins.bool = ...,
         frame_period_ms: _builtins.int = ...,
+        input_transcription: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["output_format", b"output_format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_period_ms", b"frame_period_ms", "input_formats", b"input_formats", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "model_barge_in", b"model_barge_in", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection", "turn_failover", b"turn_failover", "turn_policy", b"turn_policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_period_ms", b"frame_period_ms", "input_formats", b"input_formats", "input_transcription", b"input_transcription", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "model_barge_in", b"model_barge_in", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection", "turn_failover", b"turn_failover", "turn_policy", b"turn_policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -38,6 +38,9 @@ class Capabilities:
     service from the plugin)."""
     frame_period_ms: int = 0
     """The model's frame period (set by the session service from the plugin)."""
+    input_transcription: bool = False
+    """The model recognizes the user's words (``transcript_delta{role="user"}``,
+    ``input_transcribed``)."""
 
     def turn_policy(self, *, auto_respond: bool) -> session_pb2.TurnPolicy.ValueType:
         """The policy of a session with these capabilities and its ``auto_respond`` setting."""
@@ -61,6 +64,7 @@ class Capabilities:
             turn_policy=self.turn_policy(auto_respond=auto_respond),
             model_barge_in=self.model_native,
             frame_period_ms=self.frame_period_ms,
+            input_transcription=self.input_transcription,
         )
 
 

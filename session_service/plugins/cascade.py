@@ -95,6 +95,7 @@ class CascadePlugin(DuplexModelPlugin):
             max_sessions=max_sessions,
             max_append_bytes=self.max_append_bytes,
             turn_detection=True,
+            input_transcription=True,
         )
 
     def default_settings(self) -> SessionSettings:

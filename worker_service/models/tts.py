@@ -82,6 +82,8 @@ class TtsState:
     """(samples into ``audio`` where a sentence starts, its text), for the text news."""
     skip: int = 0
     """Samples still to leave out."""
+    said: bool = False
+    """Text of this reply went out (the next sentence's is joined on with a space)."""
     started: bool = False
 
 
@@ -130,6 +132,7 @@ class TtsModel(StepModel[TtsState]):
 
     def respond(self, state: TtsState) -> None:
         state.responding = True
+        state.said = state.skip > 0  # after a failover the client heard the reply's start
         self._synthesize(state)
 
     def _synthesize(self, state: TtsState) -> None:
@@ -152,7 +155,7 @@ class TtsModel(StepModel[TtsState]):
         state.pending.clear()
         state.marks.clear()
         state.audio = np.zeros(0, np.float32)
-        state.final = state.responding = state.started = False
+        state.final = state.responding = state.started = state.said = False
 
     def is_responding(self, state: TtsState) -> bool:
         return state.responding
@@ -212,4 +215,8 @@ class TtsModel(StepModel[TtsState]):
         while st.marks and st.marks[0][0] < take:
             text.append(st.marks.popleft()[1])
         st.marks = deque((pos - take, s) for pos, s in st.marks)
-        return frame, " ".join(text)
+        if not text:
+            return frame, ""
+        joined = (" " if st.said else "") + " ".join(text)
+        st.said = True
+        return frame, joined
