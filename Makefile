@@ -75,6 +75,7 @@ soak: setup
 
 demo: setup
 	$(BIN)/duplex demo
+	$(BIN)/duplex demo --pipeline cascade
 
 up: setup
 	$(BIN)/duplex up

@@ -2,7 +2,10 @@
 
 Talks ``examples/hello.wav`` through a fresh ``LocalStack`` exactly as ``duplex talk`` would,
 prints the timeline, and writes the reply next to the recording
-(``examples/hello.reply.wav``) -- play it to hear the utterance come back altered.
+(``examples/hello.reply.wav``) -- play it to hear the utterance come back altered. With
+``--pipeline cascade`` it talks ``examples/coffee.wav`` through the cascade instead (speech
+recognition -> responder -> speech synthesis, each stage on its own worker): the timeline shows
+the words heard and the reply's text, and the reply says back what it heard.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 from duplex.audio import AudioFileError
 from duplex.client import DuplexClient
 from duplex.errors import DuplexError
-from duplex.stack import LocalStack, StackError, example_path
+from duplex.stack import PIPELINES, LocalStack, StackError, example_path
 from duplex.talk import InputAudio, TalkError, TalkResult, print_summary, talk, write_reply
 
 
@@ -28,7 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
         "3 the stack did not start",
     )
     p.add_argument(
-        "--input", type=Path, default=example_path("hello.wav"), help="WAV to talk (default: %(default)s)"
+        "--input",
+        type=Path,
+        default=None,
+        help="WAV to talk (default: examples/hello.wav; with --pipeline cascade examples/coffee.wav)",
+    )
+    p.add_argument(
+        "--pipeline",
+        choices=sorted(PIPELINES),
+        default=None,
+        help="talk to a model served in stages instead of the parrot (cascade: speech recognition -> "
+        "responder -> speech synthesis)",
     )
     p.add_argument("--out", type=Path, help="reply WAV (default: next to the input, .reply.wav)")
     p.add_argument("--workers", type=int, default=1, help="workers to start (default: %(default)s)")
@@ -42,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.input is None:
+        args.input = example_path("coffee.wav" if args.pipeline else "hello.wav")
     try:
         audio = InputAudio.load(args.input)
     except AudioFileError as exc:
@@ -50,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     out_path: Path = args.out or args.input.with_suffix(".reply.wav")
     # The services' logs would drown the timeline; keep them in a file, show it on failure.
     log = tempfile.NamedTemporaryFile("w+", prefix="duplex-demo-", suffix=".log", delete=False)
-    print(f"starting the local stack ({args.workers} parrot worker(s), CPU)...", file=sys.stderr)
+    what = f"{args.workers} parrot worker(s)"
+    if args.pipeline:
+        what = f"{args.workers} worker(s) of each {args.pipeline} stage: {', '.join(PIPELINES[args.pipeline][1])}"
+    print(f"starting the local stack ({what}, CPU)...", file=sys.stderr)
     try:
-        with log, LocalStack(workers=args.workers, log=log) as stack:
+        with log, LocalStack(workers=args.workers, log=log, pipeline=args.pipeline) as stack:
             print(f"stack up: session service at {stack.target} (service logs: {log.name})", file=sys.stderr)
             print(f"talking {audio.path} ({audio.duration_ms / 1000:.2f} s)", file=sys.stderr)
             result = asyncio.run(_talk(stack.target, audio, args))

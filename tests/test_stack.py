@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 
+import numpy as np
 import pytest
 
 from duplex import demo
@@ -116,6 +117,21 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert "first audio" in captured.out and str(out) in captured.out
     reply, rate = read_wav(out)
     assert rate == 16000 and len(reply) / rate > 2.0
+
+
+def test_demo_of_the_cascade_says_back_what_it_heard(tmp_path, capsys):
+    """``make demo``'s second half: examples/coffee.wav through the cascade, each stage its own
+    worker process; the timeline shows the words heard and the reply's text, and all are stopped."""
+    out = tmp_path / "reply.wav"
+    code = demo.main(["--pipeline", "cascade", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "worker(s) of each cascade stage: asr, responder, tts" in captured.err
+    assert "transcribed        turn 1: 'i would like a cup of coffee please'" in captured.out
+    assert "'You said: i would like a cup of coffee please.'" in captured.out
+    reply, rate = read_wav(out)
+    assert rate == 16000 and len(reply) / rate > 3.0
+    assert float(np.sqrt(np.mean(np.square(reply)))) > 0.02  # speech
 
 
 def test_up_refuses_a_non_loopback_host_without_insecure(capsys):
