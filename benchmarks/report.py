@@ -204,6 +204,7 @@ def load_sections(results: Path) -> dict[str, Any]:
         "worker_ceiling_parrot",
         "realtime_edge",
         "moshi",
+        "cascade",
         "capacity",
     ):
         path = results / f"{name}.json"
@@ -290,6 +291,11 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
     h["grpc_packed_over_single"] = _get(sections, "grpc_hop", "packed_over_single")
     h.update(_issue21(sections))
     h["session_profile_through_grpc"] = _get(cap, "profile", "through_grpc")
+    ca = sections.get("cascade")
+    h["cascade_sessions_in_real_time"] = _get(ca, "sessions_in_real_time")
+    for row in _get(ca, "rows") or []:
+        n = row["sessions"]
+        h[f"cascade_first_audio_median_s_n{n}"] = _get(row, "speech_end_to_first_audio_s", "median")
     mo = sections.get("moshi")
     h["moshi_sessions_at_real_time"] = _get(mo, "sessions_at_real_time")
     for row in _get(mo, "served") or []:
@@ -576,6 +582,7 @@ def markdown(
     _e2e_md(add, sec.get("e2e_bench"), plots)
     _model_md(add, sec.get("model_steps"), plots)
     _moshi_md(add, sec.get("moshi"))
+    _cascade_md(add, sec.get("cascade"))
     _failures_md(add, run)
     return "\n".join(out) + "\n"
 
@@ -1377,6 +1384,55 @@ def _moshi_md(add: Any, m: dict[str, Any] | None) -> None:
                 "ticks late",
                 "tick load",
                 "frames late at clients",
+            ],
+            rows,
+        )
+    )
+    add("")
+
+
+def _cascade_md(add: Any, c: dict[str, Any] | None) -> None:
+    add("## The cascade: a model in stages, as served\n")
+    if not c:
+        add("Not measured.\n")
+        return
+    add(
+        "`benchmarks/cascade.py`: one worker per stage (asr, responder, tts; one torch thread each), "
+        "every client streaming `examples/coffee.wav` and a listening user's silence at real time. "
+        "End of the user's speech to the first reply audio: the turn's end (the VAD's silence, the "
+        "transcript with it), then each later stage's share (`duplex_session_stage_latency_seconds`, "
+        f"means). **Cascade sessions held in real time: {c.get('sessions_in_real_time', '—')}** "
+        f"(every turn answered, at most {c.get('late_pct_bound', 5):g}% of any stage's ticks late, "
+        f"first audio within {c.get('max_first_audio_s', 2):g} s at p90).\n"
+    )
+    rows = []
+    for r in c.get("rows", []):
+        lat, cpu, late = r["stage_latency_mean_s"], r["cpu_s_per_session_s"], r["ticks_late_pct"]
+        rows.append(
+            [
+                f(r["sessions"], "d"),
+                f"{r['answered']}/{r['turns']}",
+                f(_get(r, "speech_end_to_commit_s", "median"), ".3f"),
+                f(lat.get("responder"), ".3f"),
+                f(lat.get("tts"), ".3f"),
+                f(_get(r, "speech_end_to_first_audio_s", "median"), ".3f"),
+                f(_get(r, "speech_end_to_first_audio_s", "p90"), ".3f"),
+                " / ".join(f(cpu.get(s), ".3f") for s in ("asr", "responder", "tts", "session")),
+                " / ".join(f(late.get(s), ".1f") for s in ("asr", "responder", "tts")),
+            ]
+        )
+    add(
+        _table(
+            [
+                "sessions",
+                "answered",
+                "speech end → commit (s)",
+                "responder (s)",
+                "tts (s)",
+                "→ first audio median (s)",
+                "p90",
+                "CPU s per session-s: asr / responder / tts / session",
+                "ticks late %: asr / responder / tts",
             ],
             rows,
         )

@@ -20,7 +20,10 @@ the next), printed as they finish, each writing its figures as JSON under ``--ou
 8. ``moshi``: the moshi model (model-native full duplex) on a small checkpoint: its cost per
    session-frame as served against its own plain loop at 1, 8 and 32 slots, the sessions a worker
    holds at real time, and the ticks that missed their deadline;
-9. ``capacity``: the most real-time parrot conversations one session service and one worker hold
+9. ``cascade``: the cascade (ASR -> responder -> TTS, each stage on its own worker) as served: end
+   of the user's speech to first reply audio split by stage, each stage's CPU per session-second,
+   and the cascade sessions this machine holds in real time;
+10. ``capacity``: the most real-time parrot conversations one session service and one worker hold
    (20 and 40 ms appends; 20 ms from generators on lanes too), the same against ``--max-batch 1``
    (batching gain), the transport's floor at 20 ms appends (a bare gRPC echo) and a profile of the
    session service at capacity.
@@ -152,6 +155,7 @@ def sections(
                 [*dev, "--slots", "1,8", "--ramp", "1,8", "--seconds", "2", "--loop-seconds", "0.5"],
                 240,
             ),
+            ("cascade", "the cascade", [*dev, "--sessions", "1,2", "--turns", "1"], 180),
             (
                 "capacity",
                 "capacity",
@@ -240,6 +244,12 @@ def sections(
             ]
             if device.startswith("cuda")
             else [*dev, "--slots", "1,8,32", "--seconds", "8"],
+            400,
+        ),
+        (
+            "cascade",
+            "the cascade: end of speech -> first audio by stage, CPU per stage, sessions in real time",
+            [*dev, "--sessions", "1,2,4,8,16", "--turns", "3"],
             400,
         ),
         (

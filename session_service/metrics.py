@@ -37,6 +37,15 @@ FRAME_LATENCY: Final = Histogram(
     ["stage"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
+STAGE_LATENCY: Final = Histogram(
+    "duplex_session_stage_latency_seconds",
+    "A model served in stages: each later stage's share of a reply's first audio, from its first "
+    "input of the reply to its first output handed on (text to the next stage; audio to the "
+    "client, for the last stage). The first stage's share is the turn's end (first_audio counts "
+    "from it).",
+    ["stage"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 WORKER_COMMAND_SIZE: Final = Histogram(
     "duplex_session_worker_command_items",
     "Submissions, aborts and releases coalesced into one WorkerCommand.",

@@ -16,12 +16,15 @@ import pytest
 from duplex.errors import ErrorCode, UnavailableError
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
-from session_service.config import RunnerConfig
-from session_service.plugin import PluginLoadError, split_sentences, validate_plugin
+from session_service.api.cli import config_from_args
+from session_service.api.server import SessionServer, later_stages
+from session_service.config import RunnerConfig, ServiceConfig
+from session_service.plugin import PluginLoadError, check_worker, split_sentences, validate_plugin
 from session_service.plugins.cascade import CascadePlugin
+from session_service.plugins.parrot import ParrotPlugin
 from session_service.session.runner import RunnerDeps, SessionRunner, WorkerHandle
 from tests.fakes import ManualClock
-from tests.session_helpers import FakeLink, drain
+from tests.session_helpers import FakeLink, drain, sample
 
 SID = "sess_staged"
 FRAME = b"\x01\x00" * 512  # one worker frame: 32 ms of 16 kHz s16le
@@ -167,9 +170,17 @@ def test_a_plugin_in_stages_is_checked_when_it_loads() -> None:
         validate_plugin(twins)
 
 
+def latencies() -> dict[str, float]:
+    return {
+        stage: sample("duplex_session_stage_latency_seconds_count", {"stage": stage})
+        for stage in ("responder", "tts")
+    }
+
+
 async def test_a_reply_goes_through_every_stage_and_only_the_last_one_is_heard() -> None:
     responder, tts = FakeLink(), FakeLink()
     r, asr = await staged(responders=[responder], ttss=[tts])
+    before = latencies()
     try:
         # Placed at the start, each from its own pool, fenced under the session's epoch.
         assert r.holds(responder) and r.holds(tts) and r.holds(asr)
@@ -225,6 +236,8 @@ async def test_a_reply_goes_through_every_stage_and_only_the_last_one_is_heard()
         ]
         assert {e.transcript_delta.role for e in evs if e.HasField("transcript_delta")} == {"assistant"}
         assert evs[-1].response_done.status == COMPLETED and evs[-1].response_done.audio_ms == 128
+        # Each stage's share of the first audio was measured once.
+        assert {k: v - before[k] for k, v in latencies().items()} == {"responder": 1, "tts": 1}
         # The responder's text after the reply is no one's.
         words(r, responder, 1, 1, " more", done=True)
         assert drain(r) == [] and texts(tts)[-1] == ("What else?", True)
@@ -429,3 +442,55 @@ async def test_per_response_options_are_refused_for_a_model_in_stages() -> None:
         assert kinds(drain(r)) == ["response_started"]
     finally:
         await close(r)
+
+
+# ---- the pools of a plugin served in stages -----------------------------------------------------
+
+
+def test_the_command_line_takes_each_later_stages_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DUPLEX_RESUME_SECRETS", raising=False)
+    cfg = config_from_args(
+        [
+            *("--plugin", "session_service.plugins.cascade:CascadePlugin", "--workers", "a0:1,a1:1"),
+            *("--stage-workers", "responder=r0:1", "--stage-workers", "tts=dns:///tts.example:50052"),
+        ]
+    )
+    assert cfg.workers == ("a0:1", "a1:1")
+    assert dict(cfg.stage_workers) == {"responder": ("r0:1",), "tts": ("dns:///tts.example:50052",)}
+    for bad in (
+        ["--stage-workers", "tts"],  # no workers
+        ["--stage-workers", "=w:1"],  # no stage
+        ["--stage-workers", "tts=w:1", "--stage-workers", "tts=w:2"],  # twice
+        ["--stage-workers", "tts=dns:///x:1,w:2"],  # a DNS target and a list
+    ):
+        with pytest.raises(SystemExit):
+            config_from_args(["--workers", "w0:1", *bad])
+
+
+async def test_a_server_has_a_pool_per_later_stage_and_refuses_a_missing_or_unknown_one() -> None:
+    plugin = CascadePlugin()
+    base = ServiceConfig(plugin="cascade", workers=("a0:1",), metrics_port=-1)
+    with pytest.raises(PluginLoadError, match="--stage-workers responder=HOST:PORT, --stage-workers tts"):
+        later_stages(base, plugin)
+    with pytest.raises(PluginLoadError, match="not a later stage"):
+        later_stages(dataclasses.replace(base, stage_workers=(("talker", ("t:1",)),)), ParrotPlugin())
+    cfg = dataclasses.replace(
+        base, stage_workers=(("responder", ("r0:1", "r1:1")), ("tts", ("dns:///tts.example:50052",)))
+    )
+    server = SessionServer(cfg, plugin)
+    assert set(server.stage_pools) == {"responder", "tts"}
+    assert set(server.stage_pools["responder"].links) == {"r0:1", "r1:1"}
+    assert server.stage_pools["tts"].links == {}  # filled by its DNS discovery once started
+    assert [pool for pool, _ in server._discoveries] == [server.stage_pools["tts"]]
+    link = server.stage_pools["responder"].links["r0:1"]
+    assert link.stage is not None and link.stage.model_id == "responder"
+
+
+def test_a_stage_worker_of_another_model_is_refused() -> None:
+    plugin = CascadePlugin()
+    tts = plugin.stages[2]
+    desc = worker_pb2.WorkerDescription(model_id="tts", frame_samples=512)
+    check_worker(plugin, desc, tts)
+    with pytest.raises(PluginLoadError, match="stage 'tts' needs 'tts'") as err:
+        check_worker(plugin, worker_pb2.WorkerDescription(model_id="parrot", frame_samples=512), tts)
+    assert err.value.code == ErrorCode.MODEL_MISMATCH.value

@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stage-workers",
         action="append",
-        default=[],
+        default=None,
         metavar="STAGE=WORKERS",
         help="a plugin served in stages: the workers of a later stage, as --workers takes them "
         "(repeat for each stage; the first stage's are --workers)",
@@ -262,7 +262,7 @@ def config_from_args(argv: list[str]) -> ServiceConfig:
     stage_workers: dict[str, tuple[str, ...]] = {}
     try:
         parse_workers(workers, max_workers=args.max_workers)
-        for spec in args.stage_workers:
+        for spec in args.stage_workers or ():
             name, sep, listed = spec.partition("=")
             if not sep or not name.strip() or name.strip() in stage_workers:
                 raise WorkersSpecError(f"--stage-workers takes STAGE=WORKERS, once per stage: {spec!r}")

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from duplex.errors import BadEventError, DuplexError, ErrorCode, UnavailableError, WorkerErrorCode
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, worker_pb2
-from session_service.metrics import DROPPED, STAGE_FAILOVERS
+from session_service.metrics import DROPPED, STAGE_FAILOVERS, STAGE_LATENCY
 from session_service.plugin import DuplexModelPlugin, Stage
 from session_service.session.lifecycle import DropReason
 from session_service.session.state import FAILED
@@ -77,9 +77,13 @@ class StageBinding:
     final_sent: bool = False
     """Its current worker has the last piece."""
     finished: bool = False
+    began: float | None = None
+    """When it got its first input of the reply; None once its first output was handed on
+    (``STAGE_LATENCY``)."""
 
     def reset(self) -> None:
         self.given, self.given_final, self.sent, self.final_sent = [], False, -1, False
+        self.began = None
         self.out, self.handed, self.checked, self.finished = "", 0, 0, False
 
     @property
@@ -241,6 +245,8 @@ class StagePipeline:
         fence = Fence(s.session_id, resp.epoch, resp.turn_id)
         subs: list[worker_pb2.Submission] = []
         if b.sent < 0:
+            if not redo:
+                b.began = s._clock.now()
             params = self._plugin.stage_params(
                 b.stage, settings=s.settings, runtime_config=s.runtime_config, sampling=s._sampling[b.index]
             )
@@ -286,6 +292,8 @@ class StagePipeline:
         s = self._s
         if b.index == len(self._plugin.stages) - 1:
             s._output.handle(fence, payload, updates, input_seq)  # the reply's audio: the response's
+            if b.began is not None and self._live() and s.response is not None and s.response.first_audio:
+                self._handed_on(b)
             return
         if payload is not None:
             DROPPED[DropReason.RESPONSE_CANCELLED].inc()  # a text stage has no audio of its own
@@ -333,10 +341,18 @@ class StagePipeline:
         pieces, rest = self._plugin.forward_text(b.stage, b.out[b.handed :], final=b.finished)
         b.handed = len(b.out) - len(rest)
         nxt = self.bindings[b.index]  # bindings start at stage 1: the next stage's is at b.index
+        if pieces and b.began is not None:
+            self._handed_on(b)
         if pieces or (b.finished and not nxt.given_final):
             nxt.given.extend(pieces)
             nxt.given_final = b.finished
             self._drive(nxt)
+
+    def _handed_on(self, b: StageBinding) -> None:
+        """``b``'s first output of the reply went on: its share of the first audio."""
+        assert b.began is not None
+        STAGE_LATENCY.labels(stage=b.stage.name).observe(self._s._clock.now() - b.began)
+        b.began = None
 
     def _error(self, b: StageBinding, u: worker_pb2.RequestUpdate) -> None:
         s = self._s
