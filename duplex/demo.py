@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     log = tempfile.NamedTemporaryFile("w+", prefix="duplex-demo-", suffix=".log", delete=False)
     what = f"{args.workers} parrot worker(s)"
     if args.pipeline:
-        what = f"{args.workers} worker(s) of each {args.pipeline} stage: {', '.join(PIPELINES[args.pipeline][1])}"
+        stages = ", ".join(PIPELINES[args.pipeline][1])
+        what = f"{args.workers} worker(s) of each {args.pipeline} stage: {stages}"
     print(f"starting the local stack ({what}, CPU)...", file=sys.stderr)
     try:
         with log, LocalStack(workers=args.workers, log=log, pipeline=args.pipeline) as stack:
