@@ -1,13 +1,13 @@
 """The cascade (a model served in stages: ASR -> responder -> TTS, each on its own worker), as served.
 
-    python -m benchmarks.cascade [--sessions 1,4,8,16] [--turns 3] [--json PATH]
+    python -m benchmarks.cascade [--sessions 1,2,4,8] [--asr-workers 2] [--turns 3] [--json PATH]
 
-For each session count N of ``--sessions``, a local stack (``LocalStack(pipeline="cascade")``: one
-worker per stage, each with one torch thread, the session service), warmed by N sessions opened
-and closed (the ASR worker makes a recognizer per concurrent session once, then keeps them), and N
-clients, each streaming ``examples/coffee.wav`` then the silence of a listening user, at real
-time, ``--turns`` times (the reply plays meanwhile); conversations are not in step: each starts
-1/N of a turn after the last. Measured:
+For each session count N of ``--sessions``, a local stack (``LocalStack(pipeline="cascade")``:
+``--asr-workers`` speech recognition workers, one responder and one TTS worker, each with one
+torch thread, the session service), warmed by N sessions opened and closed, and N clients, each
+streaming ``examples/coffee.wav`` then the silence of a listening user, at real time, ``--turns``
+times (the reply plays meanwhile); conversations are not in step: each starts 1/N of a turn after
+the last. Measured:
 
 - **end of the user's speech -> first reply audio**, split by stage: the turn's end (speech end to
   ``committed``: the VAD's silence and its detection, and the recognizer's transcript, which comes
@@ -147,7 +147,8 @@ async def _client(target: str, utterance: bytes, turns: int, seen: Turns, delay_
 
 
 async def _warm(target: str, sessions: int) -> None:
-    """Open ``sessions`` sessions at once, give each a frame, close them."""
+    """Open ``sessions`` sessions at once, give each a frame, close them (the first session of a
+    fresh stack pays for the links' and models' first use)."""
 
     async def one() -> None:
         async with grpc.aio.insecure_channel(target) as ch:
@@ -173,7 +174,9 @@ async def _warm(target: str, sessions: int) -> None:
     await asyncio.sleep(1.0)
 
 
-def served(sessions: int, turns: int, device: str = "cpu", torch_threads: int = 1) -> dict[str, Any]:
+def served(
+    sessions: int, turns: int, device: str = "cpu", torch_threads: int = 1, asr_workers: int = 1
+) -> dict[str, Any]:
     """``sessions`` clients, ``turns`` turns each, through a fresh cascade stack (``device``: the
     workers'; the recognizer and the synthesizer run on the CPU whatever it is)."""
     utterance = load_wav_as(example_path("coffee.wav"), PCM16K_MONO)
@@ -181,6 +184,7 @@ def served(sessions: int, turns: int, device: str = "cpu", torch_threads: int = 
         stack = LocalStack(
             pipeline="cascade",
             workers=1,
+            stage_counts={"asr": asr_workers},
             device=device,
             worker_args=[
                 *("--torch-threads", str(torch_threads), "--max-tick-load", "0"),
@@ -192,12 +196,10 @@ def served(sessions: int, turns: int, device: str = "cpu", torch_threads: int = 
         )
         with stack:
             assert stack.session is not None
-            workers = {stage: stack.stage_workers(stage)[0] for stage in STAGES}
-            # Warm: the ASR worker makes a recognizer per session the first time (a third of a
-            # second holding the GIL, its engine's ticks late meanwhile), then keeps them.
+            workers = {w.name: w for stage in STAGES for w in stack.stage_workers(stage)}  # asr-0, ...
             asyncio.run(_warm(stack.target, sessions))
-            before = {stage: _scrape(w.metrics_url) for stage, w in workers.items()}
-            meter = CpuMeter({**{s: w.pid for s, w in workers.items()}, "session": stack.session.pid})
+            before = {name: _scrape(w.metrics_url) for name, w in workers.items()}
+            meter = CpuMeter({**{name: w.pid for name, w in workers.items()}, "session": stack.session.pid})
             seen = [Turns() for _ in range(sessions)]
             meter.start()
 
@@ -214,7 +216,7 @@ def served(sessions: int, turns: int, device: str = "cpu", torch_threads: int = 
 
             asyncio.run(everyone())
             pct = meter.stop()
-            after = {stage: _scrape(w.metrics_url) for stage, w in workers.items()}
+            after = {name: _scrape(w.metrics_url) for name, w in workers.items()}
             session_metrics = _scrape(stack.session.metrics_url)
     to_commit = [x for t in seen for x in t.to_commit]
     to_audio = [x for t in seen for x in t.to_audio]
@@ -232,18 +234,21 @@ def served(sessions: int, turns: int, device: str = "cpu", torch_threads: int = 
         s = _metric(session_metrics, "duplex_session_stage_latency_seconds_sum", f'stage="{stage}"')
         return s / n if n else None
 
-    def late_pct(stage: str) -> float | None:
-        ticks = _metric(after[stage], "duplex_worker_tick_duration_seconds_count") - _metric(
-            before[stage], "duplex_worker_tick_duration_seconds_count"
-        )
-        late = _metric(after[stage], "duplex_worker_ticks_late_total") - _metric(
-            before[stage], "duplex_worker_ticks_late_total"
-        )
-        return 100 * late / ticks if ticks else None
+    def of(stage: str) -> list[str]:
+        return [name for name in workers if name.rsplit("-", 1)[0] == stage]
 
-    cpu = {name: (meter.seconds.get(name) or 0.0) for name in (*STAGES, "session")}
+    def grew(stage: str, metric: str) -> float:
+        return sum(_metric(after[n], metric) - _metric(before[n], metric) for n in of(stage))
+
+    def late_pct(stage: str) -> float | None:
+        ticks = grew(stage, "duplex_worker_tick_duration_seconds_count")
+        return 100 * grew(stage, "duplex_worker_ticks_late_total") / ticks if ticks else None
+
+    cpu = {stage: sum(meter.seconds.get(n) or 0.0 for n in of(stage)) for stage in STAGES}
+    cpu["session"] = meter.seconds.get("session") or 0.0
     return {
         "sessions": sessions,
+        "asr_workers": asr_workers,
         "turns": sessions * turns,
         "answered": sum(t.answered for t in seen),
         "failed": sum(t.failed for t in seen),
@@ -271,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="the workers' device (VAD; the rest runs on the CPU)")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument(
+        "--asr-workers",
+        type=int,
+        default=2,
+        help="workers of the speech recognition stage (its decoder holds the GIL: a worker uses a core at "
+        "most; the other stages take little)",
+    )
     p.add_argument("--sessions", default="1,2,4,8", help="session counts, each through a fresh stack")
     p.add_argument("--turns", type=int, default=3, help="turns per session")
     p.add_argument("--late-pct", type=float, default=5.0, help="most ticks late at real time, per stage")
@@ -282,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for n in ints(args.sessions):
-            row = served(n, args.turns, args.device, args.torch_threads)
+            row = served(n, args.turns, args.device, args.torch_threads, args.asr_workers)
             rows.append(row)
             lat = row["stage_latency_mean_s"]
             cpu = row["cpu_s_per_session_s"]

@@ -131,6 +131,8 @@ class LocalStack:
     pipeline: str | None = None
     """A model served in stages (``PIPELINES``): its plugin and a pool of workers per stage
     (``model`` and ``plugin`` are then the pipeline's)."""
+    stage_counts: dict[str, int] = field(default_factory=dict)
+    """With ``pipeline``: workers of a stage other than ``workers``, by stage."""
     device: str = "cpu"
     worker_args: list[str] = field(default_factory=list)
     session_args: list[str] = field(default_factory=list)
@@ -237,7 +239,7 @@ class LocalStack:
             self.model = stages[0]
         try:
             for model in stages:
-                for i in range(self.workers):
+                for i in range(self.stage_counts.get(model, self.workers)):
                     prefix = "" if self.pipeline is None else f"{model}-"
                     self._spawn(
                         f"{prefix or 'worker-'}{i}",
