@@ -63,6 +63,7 @@ async def staged(
     responders: Sequence[FakeLink] = (),
     ttss: Sequence[FakeLink] = (),
     runtime: dict[str, object] | None = None,
+    asrs: Sequence[FakeLink] = (),
 ) -> tuple[SessionRunner, FakeLink]:
     plugin = CascadePlugin()
     caps = plugin.capabilities(max_sessions=4)
@@ -78,7 +79,7 @@ async def staged(
             plugin=plugin,
             capabilities=caps,
             config=RunnerConfig(coalesce_acks=False),
-            placer=Placer(),
+            placer=Placer(*asrs),
             stage_placers={"responder": Placer(*responders), "tts": Placer(*ttss)},
             clock=ManualClock(),
         ),
@@ -309,6 +310,30 @@ async def test_a_lost_tts_worker_is_replaced_and_the_reply_goes_on_where_the_cli
         done = evs[-1].response_done
         assert done.status == COMPLETED and done.audio_ms == 5 * 32
         assert len([e for e in heard + evs if e.HasField("audio_delta")]) == 5
+    finally:
+        await close(r)
+
+
+async def test_a_lost_asr_worker_is_replaced_and_the_reply_on_the_later_stages_goes_on() -> None:
+    responder, tts, asr2 = FakeLink(), FakeLink(), FakeLink()
+    r, asr = await staged(responders=[responder], ttss=[tts], asrs=[asr2])
+    try:
+        await r.post(session_pb2.ClientEvent(append=session_pb2.InputAudioAppend(seq=1, pcm=FRAME)))
+        await settle()
+        turn_end(r, "hello")
+        words(r, responder, 1, 1, "One.", " Two.", done=True)
+        speak(r, tts, 1, 1, news(1, 1, text="One.", response_started=True))
+        drain(r)
+        r.on_worker_lost(asr)  # the first stage's worker: the session's own
+        await settle()
+        # Placed again, its kept input replayed there; the reply is the later stages' and goes on.
+        assert r.link is asr2 and asr2.kinds()[0] == CLEAR
+        assert r.response is not None
+        speak(r, tts, 1, 1, news(1, 1, text="Two.", response_finished=True))
+        evs = drain(r)
+        assert kinds(evs) == ["transcript_delta", "audio_delta", "response_done"]
+        assert evs[-1].response_done.status == COMPLETED
+        assert responder.aborts == [] and tts.aborts == []
     finally:
         await close(r)
 
