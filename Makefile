@@ -10,15 +10,15 @@ PROTOC  = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Ip
 
 setup: $(VENV)/.installed
 
-# Everything: the client and session service (base), the worker's models ([worker]) and
-# the tools ([dev]). torch==2.13.0 first: it is the CPU build on disk here; the [worker]
+# Everything: the client and session service (base), the worker's models ([worker]), WebRTC on
+# the Realtime edge ([webrtc]) and the tools ([dev]). torch==2.13.0 first: it is the CPU build on disk here; the [worker]
 # extra's requirement is a range it satisfies, so pip adds no multi-GB CUDA build (a plain
 # torch requirement with no torch installed would pull one).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[worker,dev]'
+	$(BIN)/pip install -q -e '.[worker,webrtc,dev]'
 	touch $@
 
 # Regenerate the committed protobuf code (messages, stubs, .pyi types).

@@ -164,7 +164,7 @@ def test_make_setup_installs_the_pinned_cpu_torch_first() -> None:
     # the CPU build first, and the worker extra's range must accept it.
     makefile = (REPO / "Makefile").read_text()
     pins = re.findall(r"pip install -q torch==(\S+)", makefile)
-    editable = makefile.find("pip install -q -e '.[worker,dev]'")
+    editable = makefile.find("pip install -q -e '.[worker,webrtc,dev]'")
     assert len(pins) == 1 and editable != -1
     assert makefile.find(f"torch=={pins[0]}") < editable
     assert _torch_requirement().specifier.contains(pins[0])
