@@ -187,7 +187,8 @@ class EdgeServer:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[self._errors, cors.middleware(self.config.cors_origins)],
+            # CORS outermost: errors (answered by _errors) carry its headers too.
+            middlewares=[cors.middleware(self.config.cors_origins), self._errors],
             client_max_size=calls_api.MAX_BODY_BYTES,
             handler_args={"max_field_size": MAX_HEADER_BYTES, "max_line_size": MAX_HEADER_BYTES},
         )

@@ -140,12 +140,13 @@ async function start() {
 }
 
 function stop(why) {
-  if (talk.pc) talk.pc.close();
-  if (talk.mic) talk.mic.getTracks().forEach((t) => t.stop());
-  talk.pc = talk.dc = talk.mic = null;
+  const { pc, mic } = talk;
+  talk.pc = talk.dc = talk.mic = null;  // first: closing fires the handlers that call stop again
+  if (pc) pc.close();
+  if (mic) mic.getTracks().forEach((t) => t.stop());
   $("start").disabled = false;
   $("stop").disabled = true;
-  status(why || "idle");
+  if (pc || why === "failed") status(why || "idle");
 }
 
 $("start").addEventListener("click", start);
