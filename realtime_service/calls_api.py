@@ -128,11 +128,11 @@ def _credential(server: EdgeServer, request: web.Request) -> tuple[str, str, Gra
 
 
 async def _read_offer(request: web.Request) -> Any:
-    from realtime_service.webrtc.offer import OfferError, parse_offer
+    from realtime_service.webrtc.offer import FORM_TYPES, OfferError, parse_offer
 
     content_type = request.content_type
     try:
-        if content_type == "multipart/form-data":
+        if content_type in FORM_TYPES:
             form = await request.post()
             fields = {k: v for k, v in form.items() if isinstance(v, str)}
             return parse_offer(content_type, None, fields)

@@ -24,7 +24,7 @@ from tests.fault_load import features, spectral_similarity, speech_span
 from tests.session_helpers import metric_value, metrics_text
 from tests.test_session_auth import write_tokens
 from tests.webrtc_helpers import (
-    FIXTURES,
+    OPENAI_PAGE,
     PAGE_RATE,
     Recording,
     hello_16k,
@@ -115,8 +115,7 @@ async def test_a_page_written_to_openais_webrtc_flow_talks_with_the_parrot(
     secret = await asyncio.to_thread(mint, base, 120)
     expired = await asyncio.to_thread(mint, base, 1)
     port = int(page_origin.rsplit(":", 1)[1])
-    page_html = FIXTURES / "openai_webrtc_page.html"
-    async with page_server(page_html, port=port) as origin, browser.page(origin + "/") as page:
+    async with page_server(OPENAI_PAGE, port=port) as origin, browser.page(origin + "/") as page:
         opts = {"turns": 2, "timeout_ms": 40_000, "retry_with": [secret, expired]}
         call = f"talk({json.dumps(base + '/v1')}, {json.dumps(secret)}, {json.dumps(opts)})"
         rec = Recording.of(await page.evaluate(call, 60))
@@ -178,8 +177,7 @@ async def test_a_page_written_to_openais_webrtc_flow_talks_with_the_parrot(
     assert edge_metric(edge, "duplex_realtime_calls_accepted_total") >= 1
     assert edge_metric(edge, "duplex_realtime_client_secrets_total", 'outcome="used"') >= 1
     assert (
-        edge_metric(edge, "duplex_realtime_client_secrets_total", 'outcome="refused_used_client_secret"')
-        >= 1
+        edge_metric(edge, "duplex_realtime_client_secrets_total", 'outcome="refused_used_client_secret"') >= 1
     )
     assert (
         edge_metric(edge, "duplex_realtime_client_secrets_total", 'outcome="refused_expired_client_secret"')
@@ -193,7 +191,7 @@ async def test_a_page_of_an_origin_not_allowed_cannot_call(edge: LocalStack, bro
     secret = await asyncio.to_thread(mint, base, 60)
     refused = edge_metric(edge, "duplex_realtime_refused_total", 'reason="origin_not_allowed"')
     async with (
-        page_server(FIXTURES / "openai_webrtc_page.html") as origin,
+        page_server(OPENAI_PAGE) as origin,
         browser.page(origin + "/") as page,
     ):
         opts = {"turns": 1, "timeout_ms": 1000, "retry_with": []}

@@ -3,22 +3,29 @@ origin, what the page recorded, and the pitch of speech."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import fractions
 import json
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import soundfile as sf
 from aiohttp import web
+from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame
 
 from duplex.audio import read_wav, resample, to_mono
 from duplex.stack import example_path
+from realtime_service.webrtc.ice import IcePolicy, using
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -39,11 +46,14 @@ def microphone_wav(path: Path, silence_s: float) -> Path:
     return path
 
 
+#: The test page written to OpenAI's WebRTC flow.
+OPENAI_PAGE = (FIXTURES / "openai_webrtc_page.html").read_text()
+
+
 @contextlib.asynccontextmanager
-async def page_server(html: Path, port: int = 0) -> AsyncIterator[str]:
-    """``html`` served at ``/`` of its own origin (``http://127.0.0.1:PORT``) for the block."""
+async def page_server(text: str, port: int = 0) -> AsyncIterator[str]:
+    """The page ``text`` served at ``/`` of its own origin (``http://127.0.0.1:PORT``)."""
     app = web.Application()
-    text = html.read_text()
 
     async def index(_request: web.Request) -> web.Response:
         return web.Response(text=text, content_type="text/html")
@@ -140,3 +150,127 @@ def pitch_hz(x: np.ndarray, rate: int = PAGE_RATE) -> float:
         if ac[lag] > 0.5 * ac[0]:
             found.append(rate / lag)
     return float(np.median(found)) if found else 0.0
+
+
+# ---- a WebRTC client in this process (aiortc), for the tests that need no browser -----------------
+
+
+class PcmTrack(MediaStreamTrack):
+    """``pcm`` (48 kHz mono float) as a microphone: 20 ms frames in real time, then silence."""
+
+    kind = "audio"
+
+    def __init__(self, pcm: np.ndarray) -> None:
+        super().__init__()
+        self.pcm = np.clip(pcm * 32767, -32768, 32767).astype(np.int16)
+        self.sent = 0
+        self._start: float | None = None
+        self.muted = False
+
+    async def recv(self) -> AudioFrame:
+        loop = asyncio.get_running_loop()
+        if self._start is None:
+            self._start = loop.time()
+        else:
+            await asyncio.sleep(max(0.0, self._start + self.sent / 48_000 - loop.time()))
+        chunk = self.pcm[self.sent : self.sent + 960]
+        if self.muted or len(chunk) < 960:
+            chunk = np.zeros(960, np.int16)
+        frame = AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = 48_000
+        frame.pts = self.sent
+        frame.time_base = fractions.Fraction(1, 48_000)
+        self.sent += 960
+        return frame
+
+
+@dataclass
+class Peer:
+    """A client's side of a call: its peer connection, the events its data channel got, the
+    audio it heard (48 kHz mono float, with the loop time of each 20 ms frame)."""
+
+    pc: RTCPeerConnection
+    channel: RTCDataChannel | None
+    mic: PcmTrack | None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    heard: list[np.ndarray] = field(default_factory=list)
+    got_event: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def next_event(self, kind: str, timeout_s: float = 20.0, after: int = 0) -> dict[str, Any]:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for event in self.events[after:]:
+                    if event["type"] == kind:
+                        return event
+                self.got_event.clear()
+                await self.got_event.wait()
+
+    def send(self, event: dict[str, Any]) -> None:
+        assert self.channel is not None
+        self.channel.send(json.dumps(event))
+
+    def audio(self) -> np.ndarray:
+        return np.concatenate(self.heard) if self.heard else np.zeros(0, np.float32)
+
+
+LOOPBACK = IcePolicy(("127.0.0.1",))
+
+
+async def offer(mic: PcmTrack | None, *, channel: bool = True, audio: bool = True) -> Peer:
+    """A client peer connection with its offer made (a microphone track, the ``oai-events``
+    channel), its candidates on loopback."""
+    with using(LOOPBACK):
+        return await _offer(mic, channel, audio)
+
+
+async def _offer(mic: PcmTrack | None, channel: bool, audio: bool) -> Peer:
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    peer = Peer(pc, None, mic)
+    if audio:
+        if mic is not None:
+            pc.addTrack(mic)
+        else:
+            pc.addTransceiver("audio", direction="recvonly")
+    if channel:
+        peer.channel = pc.createDataChannel("oai-events")
+
+        @peer.channel.on("message")
+        def _message(message: str) -> None:
+            peer.events.append(json.loads(message))
+            peer.got_event.set()
+
+    @pc.on("track")
+    def _track(track: MediaStreamTrack) -> None:
+        async def read() -> None:
+            while True:
+                try:
+                    frame = await track.recv()
+                except MediaStreamError:
+                    return
+                x = frame.to_ndarray().reshape(-1, 2).mean(axis=1) / 32768.0  # s16 stereo, packed
+                peer.heard.append(x.astype(np.float32))
+
+        peer.tasks.append(asyncio.ensure_future(read()))
+
+    await pc.setLocalDescription(await pc.createOffer())
+    return peer
+
+
+async def connect(peer: Peer, answer_sdp: str) -> None:
+    with using(LOOPBACK):
+        await peer.pc.setRemoteDescription(RTCSessionDescription(answer_sdp, "answer"))
+
+
+async def post_call(
+    base: str, sdp: str, token: str | None = None, *, content_type: str | None = "application/sdp", **kw: Any
+) -> tuple[int, str, dict[str, str]]:
+    """POST /v1/realtime/calls: (status, body, headers). ``content_type`` None: aiohttp's (a form's)."""
+    headers = {**({"Content-Type": content_type} if content_type else {}), **kw.pop("headers", {})}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{base}/v1/realtime/calls", data=kw.pop("data", sdp), headers=headers, **kw) as response,
+    ):
+        return response.status, await response.text(), dict(response.headers)

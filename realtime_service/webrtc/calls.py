@@ -192,11 +192,13 @@ class Calls:
             if pc.connectionState == "connected":
                 call.connected.set()
             elif pc.connectionState in ("failed", "closed"):
-                if not call.connected.is_set():
-                    self._failed(call)
+                self._failed(call)
                 call.socket.end(f"connection_{pc.connectionState}")
 
     def _failed(self, call: Call) -> None:
+        """The call never connected: counted once, by the stage that did not complete."""
+        if call.socket.ended or call.connected.is_set():
+            return
         stage = "dtls" if call.pc.iceConnectionState == "completed" else "ice"
         metrics.WEBRTC_FAILURES.labels(stage=stage).inc()
         call.socket.end(f"{stage}_failed")

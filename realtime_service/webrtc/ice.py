@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import ipaddress
 import itertools
+import logging
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -159,7 +160,10 @@ class PolicyConnection(aioice.Connection):
 
 
 def install() -> None:
-    """Have aiortc's ICE gatherer make ``PolicyConnection``s (idempotent)."""
+    """Have aiortc's ICE gatherer make ``PolicyConnection``s (idempotent). aioice logs every
+    connectivity check at INFO: warnings only."""
     import aiortc.rtcicetransport
+
+    logging.getLogger("aioice").setLevel(logging.WARNING)
 
     setattr(aiortc.rtcicetransport, "Connection", PolicyConnection)  # noqa: B010 - not exported

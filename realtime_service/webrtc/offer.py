@@ -1,7 +1,7 @@
 """A browser's SDP offer, checked before anything is set up for it (no I/O).
 
 What OpenAI's ``POST /v1/realtime/calls`` takes: the offer as the body (``application/sdp``), or
-a form (``multipart/form-data``) with the offer in ``sdp`` and the session config (JSON) in
+a form (``multipart/form-data``, or URL-encoded) with the offer in ``sdp`` and the session config (JSON) in
 ``session``. An offer must be SDP, carry an audio section that is not inactive and offer Opus;
 anything else is refused (400) with a stable code.
 """
@@ -17,6 +17,9 @@ from duplex.errors import echo
 
 #: Largest offer taken (a browser's is a few KB).
 MAX_SDP_BYTES: Final = 64 * 1024
+
+#: A form (``sdp`` and ``session`` fields): what a browser's ``FormData`` sends, and the URL-encoded kind.
+FORM_TYPES: Final = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 _MEDIA = re.compile(r"m=(\w+) (\d+) (\S+)(?: (.*))?")
 _OPUS = re.compile(r"a=rtpmap:(\d+) opus/48000(?:/2)?", re.IGNORECASE)
@@ -72,14 +75,14 @@ def check_sdp(sdp: str) -> str:
 
 def parse_offer(content_type: str, body: bytes | None, form: dict[str, str] | None) -> Offer:
     """The offer of a ``/calls`` request: ``body`` for ``application/sdp``, ``form`` (its text
-    fields) for ``multipart/form-data``; raises ``OfferError``."""
+    fields) for a form; raises ``OfferError``."""
     if content_type == "application/sdp":
         try:
             text = (body or b"").decode("utf-8")
         except UnicodeDecodeError:
             raise OfferError("invalid_sdp", "the offer is not UTF-8 text") from None
         return Offer(check_sdp(text))
-    if content_type == "multipart/form-data":
+    if content_type in FORM_TYPES:
         fields = form or {}
         if "sdp" not in fields:
             raise OfferError("missing_required_parameter", "the form has no 'sdp' field", param="sdp")
