@@ -743,7 +743,9 @@ def _check_cli(ctx: Context, w: Workload) -> None:
             parser = worker_cli.build_parser()
     except ImportError as exc:
         ctx.add(
-            w, f"cannot parse its args with the duplex {w.tier} parser here ({exc}); install '.[worker,webrtc,dev]'"
+            w,
+            f"cannot parse its args with the duplex {w.tier} parser here ({exc}); "
+            "install '.[worker,webrtc,dev]'",
         )
         return
     # argparse takes an unambiguous prefix for a flag: the manifests spell each one out.
