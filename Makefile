@@ -82,7 +82,7 @@ IMAGE_TAG ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo dev)
 IMAGE_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
 IMAGE_REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 IMAGE_BUILD_ARGS ?=
-IMAGES ?= session worker-cpu worker-cuda
+IMAGES ?= session realtime worker-cpu worker-cuda
 CONTAINER_ENGINE ?= $(shell for e in docker podman buildah; do \
   command -v $$e >/dev/null 2>&1 && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
 
