@@ -109,12 +109,18 @@ def settings_of(update: UpdateSession | None) -> Settings:
 # ---- /calls ------------------------------------------------------------------------------------
 
 
-def _credential(server: EdgeServer, request: web.Request) -> tuple[str, str, Grant | None]:
-    """(principal, token, client secret grant or None) of a call request; raises ``HttpError``."""
-    values = request.headers.getall("Authorization", [])
-    scheme, _, token = values[0].strip().partition(" ") if len(values) == 1 else ("", "", "")
-    token = token.strip()
-    if scheme.lower() == "bearer" and server.secrets.looks_like(token):
+def _credential(server: EdgeServer, request: web.Request) -> tuple[str, str, Grant | None, str]:
+    """(principal, the real token, the client secret's grant and the secret, or None and "") of a
+    call request; raises ``HttpError``."""
+    from realtime_service.server import bearer_token
+
+    try:
+        token = bearer_token(request.headers.getall("Authorization", [])) or ""
+    except ValueError as exc:
+        raise HttpError(
+            HTTPStatus.UNAUTHORIZED, "invalid_api_key", str(exc), reason="unauthenticated"
+        ) from None
+    if server.secrets.looks_like(token):
         try:
             grant = server.secrets.check(token)
         except SecretRefused as err:
@@ -122,9 +128,9 @@ def _credential(server: EdgeServer, request: web.Request) -> tuple[str, str, Gra
             raise HttpError(
                 HTTPStatus.UNAUTHORIZED, "invalid_api_key", err.message, reason=err.code
             ) from None
-        return grant.principal, grant.token, grant
+        return grant.principal, grant.token, grant, token
     principal, real = server.authenticated(request)
-    return principal, real, None
+    return principal, real, None, ""
 
 
 async def _read_offer(request: web.Request) -> Any:
@@ -145,7 +151,7 @@ async def _read_offer(request: web.Request) -> Any:
 
 async def handle_call(server: EdgeServer, request: web.Request) -> web.StreamResponse:
     server.check_open()
-    principal, token, grant = _credential(server, request)
+    principal, token, grant, secret = _credential(server, request)
     calls = server.calls
     if calls is None:
         raise HttpError(
@@ -170,7 +176,7 @@ async def handle_call(server: EdgeServer, request: web.Request) -> web.StreamRes
     if grant is not None:
         # Checked again: another request may have used it while this one read its body.
         try:
-            grant = server.secrets.check(token_of(request))
+            grant = server.secrets.check(secret)
         except SecretRefused as err:
             raise HttpError(
                 HTTPStatus.UNAUTHORIZED, "invalid_api_key", err.message, reason=err.code
@@ -192,10 +198,6 @@ async def handle_call(server: EdgeServer, request: web.Request) -> web.StreamRes
         content_type="application/sdp",
         headers={"Location": f"/v1/realtime/calls/{call_id}"},
     )
-
-
-def token_of(request: web.Request) -> str:
-    return request.headers.get("Authorization", "").strip().partition(" ")[2].strip()
 
 
 async def handle_hangup(server: EdgeServer, request: web.Request) -> web.StreamResponse:

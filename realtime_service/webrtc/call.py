@@ -27,7 +27,7 @@ from aiortc import RTCDataChannel
 from duplex.errors import DuplexError
 from duplex.v1 import session_pb2
 from realtime_service import metrics
-from realtime_service.connection import ClientGone, Connection, Limits, SessionSource
+from realtime_service.connection import CLOSE_POLICY, ClientGone, Connection, Limits, SessionSource
 from realtime_service.conversation import Event, Settings
 from realtime_service.protocol import AppendAudio, Command, RealtimeError, UpdateSession
 from realtime_service.webrtc.media import ReplyTrack
@@ -151,7 +151,11 @@ class CallSocket:
             await self._changed.wait()
 
     async def close(self, code: int, reason: str) -> None:
-        self.end(reason or "closed")
+        """The connection is over: the session ended (its reason), idled out, or the page did not
+        read its events."""
+        if code == CLOSE_POLICY and reason.startswith("slow consumer"):
+            reason = "slow_consumer"
+        self.end(reason.replace(" ", "_") or "session_ended")
 
     def abort(self) -> None:
         self.end("slow_consumer")

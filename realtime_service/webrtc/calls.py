@@ -31,7 +31,6 @@ from duplex.serving import Slots
 from realtime_service import metrics
 from realtime_service.connection import Limits
 from realtime_service.conversation import Settings
-from realtime_service.protocol import DEFAULT_TURN, PCM24K
 from realtime_service.responses import HttpError
 from realtime_service.upstream import CredentialSource
 from realtime_service.webrtc import ice
@@ -294,15 +293,10 @@ _REASONS: Final = frozenset(
         "connection_failed",
         "flooded",
         "slow_consumer",
-        "idle timeout",
+        "idle_timeout",
     }
 )
 
 
 def _reason_label(reason: str) -> str:
-    return reason.replace(" ", "_") if reason in _REASONS else "other"
-
-
-def call_settings(settings: Settings | None = None) -> Settings:
-    """A call's settings before its session config: the API's defaults, 24 kHz PCM."""
-    return settings or Settings(input_format=PCM24K, output_format=PCM24K, turn=DEFAULT_TURN)
+    return reason if reason in _REASONS else "other"
