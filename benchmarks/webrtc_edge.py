@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 import tempfile
 import time
@@ -69,7 +70,7 @@ def first_audio_ms(rec: Recording) -> list[float]:
 
 
 async def _window(
-    stack: LocalStack, browser: Browser, mode: str, calls: int, turns: int, idle_pct: float
+    stack: LocalStack, browser: Browser, mode: str, calls: int, turns: int, idle_pct: float, port: int
 ) -> dict[str, Any]:
     assert stack.realtime is not None and stack.session is not None
     base = stack.realtime_url.replace("ws://", "http://")
@@ -82,7 +83,7 @@ async def _window(
         url = stack.realtime_url + "/realtime?model=parrot"
         call = f"talk({json.dumps(url)}, {json.dumps({'turns': turns, 'timeout_ms': timeout_ms})})"
     meter = CpuMeter({"edge": stack.realtime.pid, "session": stack.session.pid})
-    async with page_server(page_text) as origin:
+    async with page_server(page_text, port=port) as origin:
         pages = [browser.page(origin + "/") for _ in range(calls)]
         opened = [await p.__aenter__() for p in pages]
         try:
@@ -108,7 +109,9 @@ async def _window(
     }
 
 
-async def _run(stack: LocalStack, browser: Browser, calls: list[int], turns: int) -> dict[str, Any]:
+async def _run(
+    stack: LocalStack, browser: Browser, calls: list[int], turns: int, port: int
+) -> dict[str, Any]:
     assert stack.realtime is not None
     idle = CpuMeter({"edge": stack.realtime.pid})
     idle.start()
@@ -117,7 +120,7 @@ async def _run(stack: LocalStack, browser: Browser, calls: list[int], turns: int
     result: dict[str, Any] = {"edge_idle_cpu_pct": round(idle_pct, 2), "windows": []}
     for n in calls:
         for mode in ("websocket", "webrtc"):
-            window = await _window(stack, browser, mode, n, turns, idle_pct)
+            window = await _window(stack, browser, mode, n, turns, idle_pct, port)
             window["mode"] = mode
             result["windows"].append(window)
             fa = window["first_audio_heard_ms"]
@@ -142,12 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         wav = microphone_wav(Path(tmp) / "mic.wav", silence_s=SILENCE_S)
         t0 = time.monotonic()
+        # The pages' origin, allowed to call the edge (--cors-origin): a port picked now.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        edge_args = ["--cors-origin", f"http://127.0.0.1:{port}"]
         try:
-            with LocalStack(realtime_port=0, log=sys.stderr) as stack, Browser(wav) as browser:
+            with (
+                LocalStack(realtime_port=0, log=sys.stderr, realtime_args=edge_args) as stack,
+                Browser(wav) as browser,
+            ):
                 print(
                     f"{args.turns} turns per conversation; hello.wav then {SILENCE_S:g} s of silence, looped"
                 )
-                result = asyncio.run(_run(stack, browser, args.calls, args.turns))
+                result = asyncio.run(_run(stack, browser, args.calls, args.turns, port))
         except NoMeasurement as exc:
             return fail(str(exc))
     by = {(w["mode"], w["calls"]): w for w in result["windows"]}

@@ -100,7 +100,7 @@ class Recording:
 
         first = int(out["first_frame"] or 0)
         events = [((int(e["frame"]) - first) // 3, e["event"]) for e in out["events"]]
-        return cls(pcm(out["mic"]), pcm(out["reply"]), events, out["calls"])
+        return cls(pcm(out["mic"]), pcm(out["reply"]), events, out.get("calls", []))
 
     def types(self) -> list[str]:
         return [e["type"] for _, e in self.events]

@@ -35,7 +35,7 @@ from realtime_service.responses import HttpError
 from realtime_service.upstream import CredentialSource
 from realtime_service.webrtc import ice
 from realtime_service.webrtc.call import CHANNEL_LABEL, CallConnection, CallSocket
-from realtime_service.webrtc.media import read_microphone
+from realtime_service.webrtc.media import low_latency, read_microphone
 from realtime_service.webrtc.offer import Offer
 
 log = logging.getLogger("duplex.realtime.webrtc")
@@ -154,6 +154,9 @@ class Calls:
         try:
             with ice.using(self.settings.ice):
                 await pc.setRemoteDescription(RTCSessionDescription(offer.sdp, "offer"))
+                for transceiver in pc.getTransceivers():
+                    if transceiver.kind == "audio" and not low_latency(transceiver.receiver):
+                        log.warning("this aiortc keeps its jitter buffer elsewhere: 80 ms more per turn")
                 pc.addTrack(conn.track)
                 await pc.setLocalDescription(await pc.createAnswer())
         except ice.NoMediaPortError as exc:
