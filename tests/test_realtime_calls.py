@@ -311,6 +311,13 @@ async def test_calls_are_bounded_per_principal_and_in_all(stack: InProcessStack,
         assert (await post_call(base(server), sdps[0], ALICE))[0] == 201
         status, text, _ = await post_call(base(server), sdps[1], ALICE)
         assert (status, error_of(text)["code"]) == (429, "too_many_calls")
+        # A client secret acts for its principal: alice's bound holds for her pages too, and the
+        # secret refused for it is not used up.
+        url = base(server) + "/v1/realtime/client_secrets"
+        secret = (await asyncio.to_thread(post_json, url, {}, ALICE))[1]["value"]
+        status, text, _ = await post_call(base(server), sdps[1], secret)
+        assert (status, error_of(text)["code"]) == (429, "too_many_calls")
+        assert server.secrets.check(secret).principal == "alice"
         assert (await post_call(base(server), sdps[2], BOB))[0] == 201
         status, text, _ = await post_call(base(server), sdps[3], BOB)
         assert status == 429

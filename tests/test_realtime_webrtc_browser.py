@@ -184,6 +184,8 @@ async def test_a_page_written_to_openais_webrtc_flow_talks_with_the_parrot(
         >= 1
     )
     assert edge_metric(edge, "duplex_realtime_webrtc_packets_received_total") > 200
+    assert edge_metric(edge, "duplex_realtime_webrtc_jitter_seconds_count") > 5
+    assert edge_metric(edge, "duplex_realtime_calls_ended_total", 'reason="data_channel_closed"') >= 1
 
 
 async def test_a_page_of_an_origin_not_allowed_cannot_call(edge: LocalStack, browser: Browser) -> None:
