@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from realtime_service import metrics
+from realtime_service.bearer import bearer_token
 from realtime_service.client_secrets import DEFAULT_TTL_S, MAX_TTL_S, MIN_TTL_S, Grant, SecretRefused
 from realtime_service.conversation import Conversation, Settings
 from realtime_service.protocol import DEFAULT_TURN, PCM24K, RealtimeError, UpdateSession, parse_client_event
@@ -112,8 +113,6 @@ def settings_of(update: UpdateSession | None) -> Settings:
 def _credential(server: EdgeServer, request: web.Request) -> tuple[str, str, Grant | None, str]:
     """(principal, the real token, the client secret's grant and the secret, or None and "") of a
     call request; raises ``HttpError``."""
-    from realtime_service.server import bearer_token
-
     try:
         token = bearer_token(request.headers.getall("Authorization", [])) or ""
     except ValueError as exc:

@@ -32,6 +32,7 @@ from duplex.files import WatchedFiles
 from duplex.serving import Slots
 from duplex.tls import ClientTLS
 from realtime_service import calls_api, cors, metrics, page, websocket
+from realtime_service.bearer import bearer_token
 from realtime_service.client_secrets import ClientSecrets, SecretKeys
 from realtime_service.connection import CLOSE_GOING_AWAY, ClientSocket, Limits
 from realtime_service.responses import HttpError, error_response
@@ -75,19 +76,6 @@ class EdgeConfig:
     """WebRTC (None: the defaults of ``CallSettings``)."""
     client_secret_keys: SecretKeys | None = None
     """Keys that seal client secrets (None: a random key of this process)."""
-
-
-def bearer_token(values: list[str]) -> str | None:
-    """The token of the request's one ``Authorization: Bearer`` header (``values``: every
-    Authorization header; None without one); raises ValueError for a malformed or repeated one."""
-    if not values:
-        return None
-    if len(values) > 1:
-        raise ValueError("more than one Authorization header")
-    scheme, _, token = values[0].strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ValueError("expected 'Authorization: Bearer <token>'")
-    return token.strip()
 
 
 class EdgeServer:
