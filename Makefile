@@ -10,15 +10,20 @@ PROTOC  = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Ip
 
 setup: $(VENV)/.installed
 
+# Kyutai's moshi (the moshi model): its metadata pins an older torch and numpy than it runs on,
+# so it goes in without its dependencies, after its real needs (the worker extra lists them).
+MOSHI_VERSION ?= 0.2.13
+
 # Everything: the client and session service (base), the worker's models ([worker]), WebRTC on
-# the Realtime edge ([webrtc]) and the tools ([dev]). torch==2.13.0 first: it is the CPU build on disk here; the [worker]
-# extra's requirement is a range it satisfies, so pip adds no multi-GB CUDA build (a plain
-# torch requirement with no torch installed would pull one).
+# the Realtime edge ([webrtc]) and the tools ([dev]). torch==2.13.0 first: it is the CPU build on
+# disk here; the [worker] extra's requirement is a range it satisfies, so pip adds no multi-GB
+# CUDA build (a plain torch requirement with no torch installed would pull one).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[worker,webrtc,dev]'
+	$(BIN)/pip install -q --no-deps moshi==$(MOSHI_VERSION)
 	touch $@
 
 # Regenerate the committed protobuf code (messages, stubs, .pyi types).

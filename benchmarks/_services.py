@@ -58,7 +58,8 @@ def stack(
             model=model,
             plugin=PLUGINS[model],
             device=device,
-            worker_args=[*wflags, "--max-sessions", "0", *(worker_args or [])],
+            # No session bound and no real-time admission: the benchmarks find the limits themselves.
+            worker_args=[*wflags, "--max-sessions", "0", "--max-tick-load", "0", *(worker_args or [])],
             session_args=[
                 "--max-sessions",
                 str(max_sessions),

@@ -12,6 +12,9 @@
 #   - the worker's ceiling (benchmarks/worker_ceiling.py, frame clock): one CUDA worker driven
 #     directly on its Run stream, with the near-zero null model and with the parrot, at
 #     N = 64 ... 4096 sessions: the most real-time sessions per worker process, µs per session-frame;
+#   - the moshi model (benchmarks/moshi.py): Kyutai's Moshiko in bf16 when its weights are in the Hugging
+#     Face cache, else the real 7B layout with random weights (nothing is fetched): ms per step and
+#     sessions per GPU at real time (the most slots whose step fits 80 ms), and as served at 1, 8, 32;
 #   - every other section (hop latency, e2e, CPU per tier, capacity, batching gain) against a
 #     `duplex worker --device cuda`, with a coarser capacity ramp and shorter windows so that a
 #     machine with many cores stays within the time.

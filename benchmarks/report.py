@@ -203,6 +203,7 @@ def load_sections(results: Path) -> dict[str, Any]:
         "worker_ceiling",
         "worker_ceiling_parrot",
         "realtime_edge",
+        "moshi",
         "capacity",
     ):
         path = results / f"{name}.json"
@@ -289,6 +290,13 @@ def headline(sections: dict[str, Any]) -> dict[str, Any]:
     h["grpc_packed_over_single"] = _get(sections, "grpc_hop", "packed_over_single")
     h.update(_issue21(sections))
     h["session_profile_through_grpc"] = _get(cap, "profile", "through_grpc")
+    mo = sections.get("moshi")
+    h["moshi_sessions_at_real_time"] = _get(mo, "sessions_at_real_time")
+    for row in _get(mo, "served") or []:
+        n = row["sessions"]
+        h[f"moshi_served_over_plain_b{n}"] = row.get("served_over_plain")
+        h[f"moshi_worker_us_per_session_frame_b{n}"] = row.get("worker_cpu_us_per_session_frame")
+        h[f"moshi_ticks_late_pct_b{n}"] = row.get("ticks_late_pct")
     return h
 
 
@@ -567,6 +575,7 @@ def markdown(
     _hop_md(add, sec.get("hop_latency"), sec.get("grpc_hop"), plots)
     _e2e_md(add, sec.get("e2e_bench"), plots)
     _model_md(add, sec.get("model_steps"), plots)
+    _moshi_md(add, sec.get("moshi"))
     _failures_md(add, run)
     return "\n".join(out) + "\n"
 
@@ -1319,6 +1328,60 @@ def _model_md(add: Any, ms: dict[str, Any] | None, plots: dict[str, str]) -> Non
     add("")
     if "model" in plots:
         add(f"![model]({plots['model']})\n")
+
+
+def _moshi_md(add: Any, m: dict[str, Any] | None) -> None:
+    add("## The moshi model: as served against its plain loop\n")
+    if not m:
+        add("Not measured.\n")
+        return
+    add(
+        f"`benchmarks/moshi.py` on {m['device']} (torch threads {m['torch_threads']}), checkpoint: "
+        f"{m['checkpoint']}. Every slot is stepped every tick whether a session is in it or not, so "
+        "the cost per session-frame falls as slots fill. **Sessions per worker at real time: "
+        f"{m.get('sessions_at_real_time', '—')}** (the most slots whose step leaves "
+        f"{100 * m.get('headroom', 0.1):.0f}% of the 80 ms frame free, plain loop).\n"
+    )
+    rows = [
+        [
+            f(r["slots"], "d"),
+            f(r["ms_per_step"], ".1f"),
+            f(100 * r["fraction_of_frame"], ".0f"),
+            f(r["cpu_us_per_session_frame"], ",.0f"),
+        ]
+        for r in m.get("plain_loop", [])
+    ]
+    add(_table(["slots", "ms per step", "% of the frame", "CPU µs per session-frame"], rows))
+    add("")
+    rows = [
+        [
+            f(r["sessions"], "d"),
+            f(r["worker_cpu_us_per_session_frame"], ",.0f"),
+            f(r["model_in_place_us_per_session_frame"], ",.0f"),
+            f(r["plain_loop_us_per_session_frame"], ",.0f"),
+            f(r["served_over_plain"], ".2f"),
+            f"{f(r['ticks_late'], '.0f')} of {f(r['ticks'], '.0f')}",
+            f(r["tick_load"], ".2f"),
+            f(r["output_frames_late"], ".0f"),
+        ]
+        for r in m.get("served", [])
+    ]
+    add(
+        _table(
+            [
+                "sessions (= slots)",
+                "worker µs per session-frame",
+                "model in place",
+                "plain loop",
+                "served / plain",
+                "ticks late",
+                "tick load",
+                "frames late at clients",
+            ],
+            rows,
+        )
+    )
+    add("")
 
 
 #: Cores the rest of the machine may use during a section before the run is flagged as contended.

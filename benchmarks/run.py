@@ -17,7 +17,10 @@ the next), printed as they finish, each writing its figures as JSON under ``--ou
 7. ``worker_ceiling``: one worker's ``Run`` stream driven directly (commands built once), with the
    near-zero ``null`` model and with the parrot: the most real-time sessions per worker process and
    its CPU per session-frame at 64, 256 and 1,024 sessions;
-8. ``capacity``: the most real-time parrot conversations one session service and one worker hold
+8. ``moshi``: the moshi model (model-native full duplex) on a small checkpoint: its cost per
+   session-frame as served against its own plain loop at 1, 8 and 32 slots, the sessions a worker
+   holds at real time, and the ticks that missed their deadline;
+9. ``capacity``: the most real-time parrot conversations one session service and one worker hold
    (20 and 40 ms appends; 20 ms from generators on lanes too), the same against ``--max-batch 1``
    (batching gain), the transport's floor at 20 ms appends (a bare gRPC echo) and a profile of the
    session service at capacity.
@@ -144,6 +147,12 @@ def sections(
                 120,
             ),
             (
+                "moshi",
+                "the moshi model",
+                [*dev, "--slots", "1,8", "--ramp", "1,8", "--seconds", "2", "--loop-seconds", "0.5"],
+                240,
+            ),
+            (
                 "capacity",
                 "capacity",
                 [
@@ -213,6 +222,25 @@ def sections(
             "the Realtime edge beside direct gRPC: CPU per session-frame, end of speech -> first audio",
             [*dev, "--sessions", "32", "--turns", "2"],
             180,
+        ),
+        (
+            "moshi",
+            "the moshi model: as served against its plain loop, sessions at real time",
+            # On a GPU the real 7B layout (Moshiko when cached, random weights of its layout else).
+            [
+                *dev,
+                "--checkpoint",
+                "auto",
+                "--ramp",
+                "1,8,16,32,64,96,128",
+                "--slots",
+                "1,8,32",
+                "--seconds",
+                "8",
+            ]
+            if device.startswith("cuda")
+            else [*dev, "--slots", "1,8,32", "--seconds", "8"],
+            400,
         ),
         (
             "capacity",

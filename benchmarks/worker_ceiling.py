@@ -427,7 +427,7 @@ def ramp(
     """Start one worker of ``model`` and run the ramp on it; the result for one model."""
     most = max(steps)
     flags = worker_flags(device=device, torch_threads=torch_threads, max_batch=max(most, 1))
-    flags += ["--max-sessions", "0", "--log-level", "WARNING", *worker_args]
+    flags += ["--max-sessions", "0", "--max-tick-load", "0", "--log-level", "WARNING", *worker_args]
     rows: list[dict[str, Any]] = []
     print(
         f"worker ceiling: {model} worker on {device}, one APPEND per session per {1000 * PERIOD_S:.0f} ms "

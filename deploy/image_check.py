@@ -755,6 +755,17 @@ def main(argv: list[str] | None = None) -> int:
         log(f"realtime: {(webrtc.stdout + webrtc.stderr).strip().splitlines()[-1:]}")
         if webrtc.returncode != 0:
             raise CheckFailed(f"realtime: the webrtc extra does not load: {webrtc.stderr.strip()[-300:]}")
+        # The moshi model's package (installed without its dependencies) imports in the worker.
+        moshi_probe = "import moshi.models.loaders, sentencepiece, safetensors; print('moshi ok')"
+        proc = subprocess.run(
+            b.run_argv(ctrs["worker-cpu"], user["worker-cpu"], ["python", "-c", moshi_probe]),
+            capture_output=True,
+            text=True,
+        )
+        said_moshi = proc.stdout.strip() or proc.stderr[-300:]
+        log(f"worker-cpu: import moshi -> exit {proc.returncode}: {said_moshi}")
+        if proc.returncode != 0:
+            raise CheckFailed(f"worker-cpu: the moshi model's package does not import: {proc.stderr[-500:]}")
         started = time.time() - 1
         ports = {k: free_port() for k in ("worker", "worker_health", "session", "session_health", "realtime")}
         logs = WORK / "logs"

@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("duplex.stack", "start the local stack: one session service and N workers"),
     "talk": ("duplex.talk", "talk a WAV file through a session and save the reply"),
     "demo": ("duplex.demo", "start the local stack, talk a bundled recording through it, stop"),
+    "moshi-checkpoint": (
+        "worker_service.models.moshi.checkpoint",
+        "write a small random-weight Moshi checkpoint (to try --model moshi)",
+    ),
 }
 
 #: The pip extra that holds the worker's models, and the modules it brings.
@@ -30,6 +34,7 @@ WORKER_MODULES: tuple[str, ...] = ("torch", "silero_vad")
 NEEDS_EXTRA: dict[str, tuple[str, tuple[str, ...]]] = {
     name: (WORKER_EXTRA, WORKER_MODULES) for name in ("worker", "up", "demo")
 }
+NEEDS_EXTRA["moshi-checkpoint"] = (WORKER_EXTRA, (*WORKER_MODULES, "sentencepiece", "safetensors"))
 
 
 def missing_modules(modules: Iterable[str]) -> list[str]:
@@ -54,7 +59,7 @@ def _missing_extra_message(command: str, extra: str, missing: Iterable[str]) -> 
 
 def _usage() -> str:
     lines = ["usage: duplex <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<16} {text}" for name, (_, text) in SUBCOMMANDS.items()]
     lines += ["", "Run 'duplex <command> --help' for a command's options."]
     return "\n".join(lines)
 

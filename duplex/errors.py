@@ -78,6 +78,7 @@ class ErrorCode(StrEnum):
     IDLE_TIMEOUT = "idle_timeout"
     INPUT_ABANDONED = "input_abandoned"
     MODEL_ERROR = "model_error"
+    UNSUPPORTED_BY_MODEL = "unsupported_by_model"
     INTERNAL = "internal"
 
 

@@ -38,6 +38,12 @@ from duplex.serving import health_check
 from duplex.tls import is_loopback
 
 DEFAULT_PLUGIN = "session_service.plugins.parrot:ParrotPlugin"
+#: The session plugin that drives each worker model (``duplex up --model M`` without ``--plugin``).
+PLUGINS = {
+    "parrot": DEFAULT_PLUGIN,
+    "synthetic": "session_service.plugins.synthetic:SyntheticPlugin",
+    "moshi": "session_service.plugins.moshi:MoshiPlugin",
+}
 DEFAULT_SESSION_PORT = 50051
 _PR_SET_PDEATHSIG = 1
 
@@ -397,8 +403,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(it refuses otherwise: for a real deployment configure TLS and tokens on each service)",
     )
     p.add_argument("--model", default="parrot", help="worker model (default: %(default)s)")
-    p.add_argument("--plugin", default=DEFAULT_PLUGIN, help="session plugin (default: %(default)s)")
+    p.add_argument(
+        "--plugin",
+        default=None,
+        help="session plugin, module:Class (default: the model's own: "
+        + ", ".join(f"{m} -> {p}" for m, p in PLUGINS.items())
+        + ")",
+    )
     p.add_argument("--device", default="cpu", help="worker device (default: %(default)s)")
+    moshi = p.add_argument_group("moshi model (--model moshi; see duplex worker --help)")
+    moshi.add_argument("--checkpoint", default=None, metavar="REPO_OR_DIR", help="the workers' checkpoint")
+    moshi.add_argument("--temperature", type=float, default=None, help="the workers' sampling temperature")
+    moshi.add_argument("--top-k", type=int, default=None, help="the workers' top-k")
+    moshi.add_argument(
+        "--worker-max-sessions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each worker's sessions (moshi: slots)",
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -449,7 +472,16 @@ def main(argv: list[str] | None = None) -> int:
         stack.worker_args = [*stack.worker_args, "--insecure"]
         stack.session_args = [*stack.session_args, "--insecure"]
         stack.realtime_args = [*stack.realtime_args, "--insecure"]
-    stack.model, stack.plugin, stack.device = args.model, args.plugin, args.device
+    stack.model, stack.device = args.model, args.device
+    stack.plugin = args.plugin or PLUGINS.get(args.model, DEFAULT_PLUGIN)
+    for flag, value in (
+        ("--checkpoint", args.checkpoint),
+        ("--temperature", args.temperature),
+        ("--top-k", args.top_k),
+        ("--max-sessions", args.worker_max_sessions),
+    ):
+        if value is not None:
+            stack.worker_args = [*stack.worker_args, flag, str(value)]
     print(f"starting {args.workers} {args.model} worker(s) and a session service...", file=sys.stderr)
     try:
         stack.start()

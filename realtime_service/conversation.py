@@ -56,6 +56,9 @@ class Settings:
     turn: TurnSetting = DEFAULT_TURN
     instructions: str = ""
     output_modalities: tuple[str, ...] = ("audio",)
+    model_native: bool = False
+    """The model decides itself when to speak (``TURN_POLICY_MODEL_NATIVE``): each of its speech
+    spans is a response, and turn detection is its own."""
 
 
 def turn_from_proto(td: session_pb2.TurnDetection, vad: bool) -> TurnSetting:
@@ -107,7 +110,16 @@ class Conversation:
     def session_object(self) -> Event:
         s = self.settings
         turn: Event | None = None
-        if s.turn.vad:
+        if s.model_native:
+            # The API's nearest word for it: the model itself judges when the user is done (and
+            # when to stop); nothing of it can be set (duplex's turn_policy: model_native).
+            turn = {
+                "type": "semantic_vad",
+                "eagerness": "auto",
+                "create_response": True,
+                "interrupt_response": True,
+            }
+        elif s.turn.vad:
             turn = {
                 "type": "server_vad",
                 "silence_duration_ms": s.turn.silence_ms or None,
@@ -158,6 +170,7 @@ class Conversation:
         """``session.created`` for the first ``opened``; after a resume, the end of any response
         the lost stream left open (it will restart as a new one)."""
         self.session_id = opened.session_id
+        self.settings.model_native = opened.capabilities.turn_policy == session_pb2.TURN_POLICY_MODEL_NATIVE
         self.apply_config(opened.config)
         if first:
             return [self._event("session.created", session=self.session_object())]

@@ -104,7 +104,8 @@ FAILOVERS: Final = Counter(
     "Sessions moved off a lost or hung worker with their turn's input replayed on another, by "
     "result: replayed (the input is on the new worker), unavailable (no worker took it: the "
     "turn failed), not_replayable (the model cannot be replayed, or turn failover is off: the turn "
-    "failed).",
+    "failed), context_reset (a model-native model's worker: the session moved on with a fresh "
+    "model context).",
     ["result"],
 )
 REPLAYED_FRAMES: Final = Counter(
@@ -115,6 +116,23 @@ RESTARTED_RESPONSES: Final = Counter(
     "Responses restarted for the same turn, by cause: worker_lost (the worker streaming it was "
     "lost), resumed (the replica streaming it was lost and the session resumed here).",
     ["cause"],
+)
+OUTPUT_LATENESS: Final = Histogram(
+    "duplex_session_output_lateness_seconds",
+    "How late a response's audio went out to its client against real time from its first frame "
+    "(frames that went out on time or early are not observed).",
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+)
+OUTPUT_FRAMES_LATE: Final = Counter(
+    "duplex_session_output_frames_late",
+    "Audio events that went out to their client more than a frame period after real time (from "
+    "the response's first frame on): a client's jitter buffer of a frame would have run dry.",
+)
+OUTPUT_JITTER: Final = Histogram(
+    "duplex_session_output_jitter_seconds",
+    "How far the time between two consecutive audio events of a response, as its client's stream "
+    "takes them, strays from the audio the first of them held.",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64),
 )
 RESTARTS_TIMED_OUT: Final = Counter(
     "duplex_session_restarts_timed_out",
@@ -153,7 +171,7 @@ for _stage in ("ack", "first_audio"):
     FRAME_LATENCY.labels(stage=_stage)
 for _result in ("ok", "empty", "failed"):
     RESOLUTIONS.labels(result=_result)
-for _result in ("replayed", "unavailable", "not_replayable"):
+for _result in ("replayed", "unavailable", "not_replayable", "context_reset"):
     FAILOVERS.labels(result=_result)
 for _cause in ("worker_lost", "resumed"):
     RESTARTED_RESPONSES.labels(cause=_cause)

@@ -208,8 +208,10 @@ async def worker_server(
     """One in-process worker on a free port, its model loaded; stopped afterwards.
 
     ``config``: ``WorkerConfig`` fields (defaults: a free port of 127.0.0.1, cpu, one torch
-    thread, no /metrics)."""
+    thread, no /metrics, no real-time admission: its engine thread shares this process's GIL with
+    the test, whose own work would show as tick load)."""
     config.setdefault("listen", "127.0.0.1:0")
+    config.setdefault("max_tick_load", 0.0)
     config.setdefault("device", "cpu")
     config.setdefault("torch_threads", 1)
     config.setdefault("metrics_port", -1)

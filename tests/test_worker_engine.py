@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
 from duplex.audio import PCM16K_MONO
+from duplex.errors import from_rpc_error
 from duplex.fence import Fence
 from tests.worker_helpers import APPEND, COMMIT, FRAME, RESPOND, RunClient, error_codes, pcm, sub, worker
 from worker_service.cli import build_parser, config_from_args
@@ -622,3 +623,52 @@ def test_run_as_helper_counts_its_work_as_the_model_s_and_returns_its_result() -
     with pytest.raises(ZeroDivisionError):  # a failure is the caller's, its CPU still counted
         run_as_helper(lambda: (_burn(0.01), 1 // 0)[1])
     assert _model_cpu("helpers") - before >= 0.04
+
+
+class _SlowFrames(FakeModel):
+    """100 ms frames whose step takes 60 ms of wall time: a tick load of about 0.6, over the
+    bound of the test below whatever the number of sessions."""
+
+    frame_samples = PCM16K_MONO.sample_rate_hz // 10
+
+    def step(self, batch: StepBatch[_St]) -> StepResult:
+        time.sleep(0.06)
+        return super().step(batch)
+
+
+def test_one_more_session_is_taken_while_the_measured_tick_says_it_keeps_real_time() -> None:
+    engine = Engine(FakeModel, sink=lambda items: None)
+    engine.model = FakeModel()
+    assert engine.takes_one_more(4, 0.9)  # nothing measured yet
+    engine.tick_load = 0.6
+    assert engine.takes_one_more(4, 0.9)  # 0.6 * 5 / 4 = 0.75
+    assert not engine.takes_one_more(5, 0.7)  # 0.6 * 6 / 5 = 0.72
+    engine.tick_load = 0.72
+    assert engine.takes_one_more(8, 0.81) and not engine.takes_one_more(8, 0.8)  # 0.72 * 9 / 8 = 0.81
+    # With few sessions a tick's cost is mostly fixed: taken while the tick is within the bound.
+    assert engine.takes_one_more(1, 0.9) and not engine.takes_one_more(1, 0.7)
+    assert engine.takes_one_more(1, 0)  # no bound
+    engine.model.fixed_batch = True  # slots: one more costs nothing more
+    assert engine.takes_one_more(100, 0.9) and not engine.takes_one_more(100, 0.5)
+
+
+async def test_a_worker_at_its_real_time_limit_refuses_new_sessions_and_counts_them() -> None:
+    from duplex.v1 import worker_pb2
+
+    refused = {"reason": "real_time"}
+    before = REGISTRY.get_sample_value("duplex_worker_sessions_refused_total", refused) or 0.0
+    async with worker(model_factory=lambda device: _SlowFrames(), max_tick_load=0.5) as (_, stub):
+        await stub.Attach(worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1"), timeout=5)
+        run = RunClient(stub, "o1")
+        run.send(sub("r1", "s1", APPEND, seq=1, data=pcm(np.zeros(20 * 1600, np.float32))))
+        await run.until(lambda m: m.step >= 5)
+        # Each tick's step takes about 0.6 of the frame, past the bound: no new session.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Attach(worker_pb2.AttachRequest(session_id="s2", epoch=1, owner="o1"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert from_rpc_error(err.value).code == "capacity_exhausted"
+        assert "real time" in (err.value.details() or "")
+        # The session it holds is not refused anything.
+        await stub.Attach(worker_pb2.AttachRequest(session_id="s1", epoch=1, owner="o1"), timeout=5)
+        run.close()
+    assert REGISTRY.get_sample_value("duplex_worker_sessions_refused_total", refused) == before + 1

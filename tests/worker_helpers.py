@@ -92,6 +92,8 @@ async def worker(
     """An in-process worker on an ephemeral port and a stub for it."""
     config.setdefault("metrics_port", -1)
     config.setdefault("drain_grace_s", 0.2)
+    # No real-time admission unless asked for: the engine shares this process's GIL with the test.
+    config.setdefault("max_tick_load", 0.0)
     server = WorkerServer(WorkerConfig(**config), model_factory=model_factory)
     await server.start()
     channel = grpc.aio.insecure_channel(server.address)

@@ -33,6 +33,9 @@ from worker_service.server import WorkerServer
 
 logger = logging.getLogger("worker_service")
 
+#: ``--max-sessions`` of ``--model moshi`` when unset: its batch slots (each costs compute).
+DEFAULT_MOSHI_SLOTS = 8
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="duplex worker", description="Run a batched model worker (gRPC).")
@@ -67,11 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-sessions",
         type=int,
-        default=DEFAULT_MAX_SESSIONS,
+        default=None,
         help="most sessions attached at once; an Attach beyond it is refused with "
         "RESOURCE_EXHAUSTED capacity_exhausted (retryable: the session service tries the next "
-        f"worker). Default {DEFAULT_MAX_SESSIONS}: four session replicas' worth at their default "
-        "--max-sessions, about what one worker keeps real-time at --max-batch 256; 0 = unbounded",
+        f"worker). Unset: {DEFAULT_MAX_SESSIONS}, four session replicas' worth at their default "
+        "--max-sessions, about what one worker keeps real-time at --max-batch 256 (moshi: "
+        f"{DEFAULT_MOSHI_SLOTS}, its batch slots); 0 = unbounded (not for moshi)",
+    )
+    p.add_argument(
+        "--max-tick-load",
+        type=float,
+        default=WorkerConfig().max_tick_load,
+        help="refuse new sessions (capacity_exhausted) when the measured tick says one more would "
+        "take more than this share of the frame period (0 = no bound)",
     )
     p.add_argument("--max-queued-frames", type=int, default=1024, help="per-request input queue bound")
     p.add_argument("--worker-id", default=None)
@@ -151,6 +162,34 @@ def build_parser() -> argparse.ArgumentParser:
     parrot.add_argument("--pitch-semitones", type=float, default=None)
     parrot.add_argument("--threshold", type=float, default=None)
     parrot.add_argument("--no-auto-commit", action="store_true")
+    moshi = p.add_argument_group(
+        "moshi model",
+        "Kyutai's Moshi and models of its layout (PersonaPlex-class), model-native full duplex, "
+        "served in a fixed batch of --max-sessions slots",
+    )
+    moshi.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="REPO_OR_DIR",
+        help="a Hugging Face repo id (fetched into the Hugging Face cache) or a local directory in "
+        "its layout (config.json, LM and Mimi weights, tokenizer); `duplex moshi-checkpoint DIR` "
+        "writes a small random one",
+    )
+    moshi.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature of text and audio (0 = greedy; unset: the checkpoint's own)",
+    )
+    moshi.add_argument(
+        "--top-k", type=int, default=None, help="top-k of text and audio (unset: the checkpoint's)"
+    )
+    moshi.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="the LM's dtype (auto: float32 on a CPU, bfloat16 on a GPU)",
+    )
     synth = p.add_argument_group("synthetic model")
     synth.add_argument("--hidden-size", type=int, default=None)
     synth.add_argument("--layers", type=int, default=None)
@@ -187,13 +226,30 @@ def _identities(value: str | None, flag: str) -> frozenset[str] | None:
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     split_host_port(args.listen)  # validates HOST:PORT
     event_loop_name(args.event_loop)  # uvloop asked for where it is not installed
-    if args.model == "parrot":
+    max_sessions = args.max_sessions
+    if max_sessions is None:
+        max_sessions = DEFAULT_MOSHI_SLOTS if args.model == "moshi" else DEFAULT_MAX_SESSIONS
+    if args.model == "moshi":
+        if not args.checkpoint:
+            raise ValueError("--model moshi needs --checkpoint REPO_OR_DIR")
+        if max_sessions < 1:
+            raise ValueError("--model moshi needs --max-sessions of at least 1 (its batch slots)")
+        moshi: dict[str, object] = {"checkpoint": args.checkpoint, "slots": max_sessions, "dtype": args.dtype}
+        if args.temperature is not None:
+            moshi["temperature"] = args.temperature
+        if args.top_k is not None:
+            moshi["top_k"] = args.top_k
+    elif args.checkpoint or args.temperature is not None or args.top_k is not None or args.dtype != "auto":
+        raise ValueError("--checkpoint, --temperature, --top-k and --dtype are options of --model moshi")
+    if args.model == "moshi":
+        options: dict[str, object] = moshi
+    elif args.model == "parrot":
         keys = {
             "silence_ms": args.silence_ms,
             "pitch_semitones": args.pitch_semitones,
             "threshold": args.threshold,
         }
-        options: dict[str, object] = {k: v for k, v in keys.items() if v is not None}
+        options = {k: v for k, v in keys.items() if v is not None}
         if args.no_auto_commit:
             options["auto_commit"] = False
     else:
@@ -216,7 +272,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_batch=args.max_batch,
         clock=args.clock,
         step_interval_ms=args.step_interval_ms,
-        max_sessions=args.max_sessions,
+        max_sessions=max_sessions,
+        max_tick_load=args.max_tick_load,
         max_queued_frames=args.max_queued_frames,
         drain_grace_s=args.drain_grace_s,
         orphan_grace_s=args.orphan_grace_s,

@@ -39,12 +39,14 @@ from worker_service.engine_types import (
 )
 from worker_service.fencing import MAX_ID_LENGTH, Admission
 from worker_service.identity import IdentityPolicy
-from worker_service.metrics import SUBMISSIONS
+from worker_service.metrics import SESSIONS_REFUSED, SUBMISSIONS
 from worker_service.model import FloatArray, StepModel, bad_submission, options_from_struct
 from worker_service.serving_state import ServingState
 from worker_service.sessions import SessionTable
 
 logger = logging.getLogger(__name__)
+
+SESSIONS_REFUSED_REAL_TIME = SESSIONS_REFUSED.labels(reason="real_time")
 
 _KIND_LABELS = {APPEND: "append", COMMIT: "commit", RESPOND: "respond", CLEAR: "clear"}
 _SUBMITTED: dict[int, Any] = {kind: SUBMISSIONS.labels(kind=label) for kind, label in _KIND_LABELS.items()}
@@ -101,6 +103,15 @@ class CommandHandler:
         fences = self._sessions.fences
         previous = fences.owner_of(sid)
         previous_request_id = self._sessions.request_id(sid)
+        if previous is None and not self._engine.takes_one_more(
+            fences.live_sessions, self._config.max_tick_load
+        ):
+            SESSIONS_REFUSED_REAL_TIME.inc()
+            raise CapacityError(
+                ErrorCode.CAPACITY_EXHAUSTED,
+                f"this worker's tick takes {100 * self._engine.tick_load:.0f}% of its frame period: "
+                "one more session would break real time",
+            )
         try:
             admission, was_live = fences.attach(
                 sid,

@@ -72,6 +72,11 @@ class WorkerConfig:
     max_sessions: int = DEFAULT_MAX_SESSIONS
     """Most sessions attached at once (0 = unbounded); an Attach beyond it is refused with
     RESOURCE_EXHAUSTED ``capacity_exhausted`` (retryable)."""
+    max_tick_load: float = 0.9
+    """Frame clock: a new session is refused (``capacity_exhausted``, retryable: placement tries
+    the next worker) when the measured tick (``duplex_worker_tick_load``) says one more would
+    take more than this share of the frame period; 0 = no bound. So a worker at its real-time
+    limit sends new sessions elsewhere instead of every session slowing down."""
     max_queued_frames: int = 1024
     """Per-request input queue bound, in frames (~33 s at 32 ms); APPENDs beyond it get ``capacity``."""
     max_output_steps: int = 2048
@@ -130,6 +135,8 @@ class WorkerConfig:
             raise ValueError("max_batch must be >= 1")
         if not 0.0 <= self.step_interval_ms <= MAX_STEP_INTERVAL_MS:
             raise ValueError(f"step_interval_ms must be between 0 and {MAX_STEP_INTERVAL_MS:g}")
+        if not 0 <= self.max_tick_load <= 10:
+            raise ValueError("max_tick_load must be in [0, 10]")
         if self.max_sessions < 0:
             raise ValueError("max_sessions must be >= 0")
         if self.max_queued_frames < 1:

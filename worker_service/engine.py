@@ -71,6 +71,10 @@ from worker_service.step_outputs import Request, collect_news, model_failure, ro
 
 logger = logging.getLogger(__name__)
 
+#: Admission: below this many sessions a tick's cost is mostly its fixed part (the batch's Python,
+#: a model's per-step overhead), so one more is not taken to cost a per-session share of it.
+ESTIMATE_FROM = 4
+
 
 class Engine(FrameClock):
     """Continuous-batching engine around one ``StepModel``; see the module docstring."""
@@ -119,6 +123,19 @@ class Engine(FrameClock):
         self._next_step_at = 0.0
         """``time.monotonic()`` before which no step starts (a step interval or the next tick)."""
         self._fmt: common_pb2.AudioFormat | None = None
+        self.tick_load = 0.0
+
+    def takes_one_more(self, sessions: int, max_load: float) -> bool:
+        """Whether one more session keeps the measured tick within ``max_load`` of the frame
+        period (0: no bound). A model stepping a fixed batch costs the same with it; any other
+        is taken to cost in proportion to its ``sessions`` (attached now), once there are enough
+        of them (``ESTIMATE_FROM``) for the per-session share to outweigh a tick's fixed cost."""
+        load, model = self.tick_load, self.model
+        if not max_load or not load or model is None:
+            return True
+        if model.fixed_batch or sessions < ESTIMATE_FROM:
+            return load <= max_load
+        return load * (sessions + 1) / sessions <= max_load
 
     # -- the asyncio side's API (thread-safe) ---------------------------------------------------
 
@@ -335,6 +352,8 @@ class Engine(FrameClock):
             model.cancel_response(req.state)
             req.reply_fence = None
             metrics.FENCED.labels(reason="aborted").inc()
+        elif model.model_native:
+            model.cancel_response(req.state)  # what it says now is not heard until it falls silent
 
     def _release(self, model: StepModel[Any], session_id: str) -> None:
         req = self._requests.pop(session_id, None)

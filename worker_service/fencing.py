@@ -29,7 +29,7 @@ from duplex.errors import (
 )
 from duplex.fence import MAX_EPOCH, MAX_REQUESTED_EPOCH
 from worker_service.config import DEFAULT_MAX_CLOSED_SESSIONS, DEFAULT_TOMBSTONE_TTL_S
-from worker_service.metrics import FENCED, TOMBSTONES_EVICTED
+from worker_service.metrics import FENCED, SESSIONS_REFUSED, TOMBSTONES_EVICTED
 
 #: Released sessions whose fence (epoch, owner) is remembered so a stale owner stays fenced.
 MAX_TOMBSTONES = 65_536
@@ -149,6 +149,7 @@ class FenceTable:
 
     def _check_capacity(self) -> None:
         if self._max_sessions and self._live >= self._max_sessions:
+            SESSIONS_REFUSED.labels(reason="max_sessions").inc()
             raise CapacityError(
                 ErrorCode.CAPACITY_EXHAUSTED, f"worker holds its maximum of {self._max_sessions} sessions"
             )

@@ -33,6 +33,8 @@ CATCH_UP_BACKLOG: Final = 2
 #: period after the tick began (a command written for the tick that came late) is stepped at
 #: once, as a late join, rather than a whole period later.
 LATE_JOIN: Final = 0.25
+#: Frame clock: the weight of the newest tick in the moving average of the tick load.
+LOAD_SMOOTHING: Final = 0.1
 
 
 class FrameClock:
@@ -45,6 +47,9 @@ class FrameClock:
     _max_batch: int
     _runnable: OrderedDict[str, Request]
     _marks: CommandMarks
+    tick_load: float
+    """The share of a frame period one tick's step of every session takes (a moving average;
+    0 before the first tick). Read on the asyncio side (admission): a float, set whole."""
 
     def _step(
         self, model: StepModel[Any], news: dict[str, list[Update]], chosen: list[Request]
@@ -62,6 +67,8 @@ class FrameClock:
         self._tick_no += 1
         self._late_until = now + LATE_JOIN * self._period
         out = self._step_all(model, news, list(self._runnable.values()))
+        stepped = time.monotonic()
+        self._measure(now, stepped, late=stepped > self._next_step_at)
         budget_end = now + CATCH_UP_BUDGET * self._period
         for _ in range(CATCH_UP_STEPS):
             queued = [(r, r.input_frames()) for r in self._runnable.values()]
@@ -71,7 +78,19 @@ class FrameClock:
             if time.monotonic() >= budget_end:
                 break
             out.extend(self._step_all(model, news, behind))
+        metrics.TICK_DURATION.observe(time.monotonic() - now)
         return self._stamp(out)
+
+    def _measure(self, began: float, stepped: float, *, late: bool) -> None:
+        """A tick's step of every runnable request took ``stepped - began``: its load (a moving
+        average of that over the period, what admission reads) and whether it missed its deadline."""
+        load = (stepped - began) / self._period
+        self.tick_load = (
+            load if not self.tick_load else self.tick_load + LOAD_SMOOTHING * (load - self.tick_load)
+        )
+        metrics.TICK_LOAD.set(self.tick_load)
+        if late:
+            metrics.TICKS_LATE.inc()
 
     def _late_join(self, model: StepModel[Any], news: dict[str, list[Update]]) -> list[tuple[str, OwnerStep]]:
         """Step the requests with input that the last tick did not step (their input came

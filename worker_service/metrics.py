@@ -50,6 +50,29 @@ FENCED: Final = Counter(
     "sessions).",
     ["reason"],
 )
+TICK_DURATION: Final = Histogram(
+    "duplex_worker_tick_duration_seconds",
+    "Frame clock: wall time of one tick's work (its steps, catching up included).",
+    buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.08, 0.128, 0.256, 0.512, 1.0),
+)
+TICKS_LATE: Final = Counter(
+    "duplex_worker_ticks_late",
+    "Frame clock: ticks that missed their deadline: their step of every session ended after the "
+    "next tick was due (the model did not keep real time).",
+)
+TICK_LOAD: Final = Gauge(
+    "duplex_worker_tick_load",
+    "Frame clock: the share of a frame period one tick's step of every session takes (a moving "
+    "average); near 1 the worker no longer keeps real time, and it refuses new sessions above "
+    "--max-tick-load.",
+)
+SESSIONS_REFUSED: Final = Counter(
+    "duplex_worker_sessions_refused",
+    "Attaches of new sessions refused with capacity_exhausted, by reason: max_sessions (the "
+    "worker holds --max-sessions), real_time (its measured step time says one more session would "
+    "break real time: --max-tick-load).",
+    ["reason"],
+)
 LATE_JOINS: Final = Counter(
     "duplex_worker_late_joins",
     "Frame clock: requests stepped just after a tick they missed (their input came within a "
@@ -112,3 +135,5 @@ for _k in SUBMISSION_KINDS:
     SUBMISSIONS.labels(kind=_k)
 for _q in ("input", "output"):
     QUEUE_DEPTH.labels(queue=_q)
+for _r in ("max_sessions", "real_time"):
+    SESSIONS_REFUSED.labels(reason=_r)

@@ -132,6 +132,13 @@ class StepModel(ABC, Generic[S]):
     consumes an input frame (one out per one in), so replies run at the pace the input arrives.
     The engine then never steps a replying request without input; the session service keeps a
     turn going without client audio by feeding silence at real-time deadlines."""
+    model_native: bool = False
+    """The model decides itself when to speak (Moshi): no COMMIT or RESPOND, its speech spans are
+    its replies (``RequestNews.response_started`` / ``response_finished`` open and close one), and
+    the session feeds it input continuously."""
+    fixed_batch: bool = False
+    """The model steps a fixed batch of slots whatever the number of sessions (masked slots cost
+    compute too): its tick costs the same with one more session, up to its slots."""
     free_running: bool = False
     """Step as soon as there is work instead of on the engine's frame clock (one step per frame
     period for every runnable request; ``worker_service.engine``). For a model whose steps are

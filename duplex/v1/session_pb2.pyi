@@ -33,6 +33,50 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _TurnPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TurnPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TURN_POLICY_UNSPECIFIED: _TurnPolicy.ValueType  # 0
+    TURN_POLICY_CLIENT_COMMIT: _TurnPolicy.ValueType  # 1
+    """The client ends a turn (`commit`) and asks for the reply
+    (`response_create`).
+    """
+    TURN_POLICY_SERVER_VAD: _TurnPolicy.ValueType  # 2
+    """The server's turn detection ends a turn on silence and replies
+    (`turn_detection.auto_respond`); the client may still commit and ask.
+    """
+    TURN_POLICY_MODEL_NATIVE: _TurnPolicy.ValueType  # 3
+    """The model hears input continuously and decides itself when to speak and
+    when to stop: each of its speech spans is a response. `commit`, `clear`,
+    `response_create` and `barge_in` are refused with `unsupported_by_model`;
+    `response_cancel` silences the span it names until the model falls
+    silent.
+    """
+
+class TurnPolicy(_TurnPolicy, metaclass=_TurnPolicyEnumTypeWrapper):
+    """Who ends the user's turns and starts the model's replies."""
+
+TURN_POLICY_UNSPECIFIED: TurnPolicy.ValueType  # 0
+TURN_POLICY_CLIENT_COMMIT: TurnPolicy.ValueType  # 1
+"""The client ends a turn (`commit`) and asks for the reply
+(`response_create`).
+"""
+TURN_POLICY_SERVER_VAD: TurnPolicy.ValueType  # 2
+"""The server's turn detection ends a turn on silence and replies
+(`turn_detection.auto_respond`); the client may still commit and ask.
+"""
+TURN_POLICY_MODEL_NATIVE: TurnPolicy.ValueType  # 3
+"""The model hears input continuously and decides itself when to speak and
+when to stop: each of its speech spans is a response. `commit`, `clear`,
+`response_create` and `barge_in` are refused with `unsupported_by_model`;
+`response_cancel` silences the span it names until the model falls
+silent.
+"""
+Global___TurnPolicy: _TypeAlias = TurnPolicy  # noqa: Y015
+
 class _ResponseStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -715,6 +759,9 @@ class Capabilities(_message.Message):
     TURN_DETECTION_FIELD_NUMBER: _builtins.int
     RESUME_SCOPE_FIELD_NUMBER: _builtins.int
     TURN_FAILOVER_FIELD_NUMBER: _builtins.int
+    TURN_POLICY_FIELD_NUMBER: _builtins.int
+    MODEL_BARGE_IN_FIELD_NUMBER: _builtins.int
+    FRAME_PERIOD_MS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The plugin id, e.g. "parrot"."""
     max_sessions: _builtins.int
@@ -734,6 +781,17 @@ class Capabilities(_message.Message):
     response restarts there (`response_done{failed, "worker_unavailable"}`,
     then a new `response_started` for the same turn).
     """
+    turn_policy: Global___TurnPolicy.ValueType
+    """Who ends the user's turns and starts the model's replies in this session
+    (the guide's "Turn policies" table says what each accepts).
+    """
+    model_barge_in: _builtins.bool
+    """Whether the model itself stops speaking when the user talks over it
+    (model-native duplex); false: the server's turn detection barges in,
+    when `turn_detection.barge_in` is on.
+    """
+    frame_period_ms: _builtins.int
+    """The model's frame period: it hears and speaks in frames this long."""
     @_builtins.property
     def input_formats(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AudioFormat]:
         """Input formats the session accepts."""
@@ -758,14 +816,44 @@ class Capabilities(_message.Message):
         turn_detection: _builtins.bool = ...,
         resume_scope: _builtins.str = ...,
         turn_failover: _builtins.bool = ...,
+        turn_policy: Global___TurnPolicy.ValueType = ...,
+        model_barge_in: _builtins.bool = ...,
+        frame_period_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["output_format", b"output_format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_formats", b"input_formats", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection", "turn_failover", b"turn_failover"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_period_ms", b"frame_period_ms", "input_formats", b"input_formats", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "model_barge_in", b"model_barge_in", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection", "turn_failover", b"turn_failover", "turn_policy", b"turn_policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Capabilities: _TypeAlias = Capabilities  # noqa: Y015
+
+@_typing.final
+class ContextReset(_message.Message):
+    """The model's context (what it heard and said so far) started over: its
+    worker was lost and a model whose state is the whole conversation cannot
+    be rebuilt elsewhere. The session goes on with a fresh model.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """Why: "worker_lost", or "resumed" (the session resumed where its model
+    state was not).
+    """
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContextReset: _TypeAlias = ContextReset  # noqa: Y015
 
 @_typing.final
 class SessionOpened(_message.Message):
@@ -1324,6 +1412,7 @@ class ServerEvent(_message.Message):
     GO_AWAY_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     CLOSED_FIELD_NUMBER: _builtins.int
+    CONTEXT_RESET_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     """Server-assigned id, unique within the session."""
     @_builtins.property
@@ -1367,6 +1456,8 @@ class ServerEvent(_message.Message):
     def error(self) -> Global___Error: ...
     @_builtins.property
     def closed(self) -> Global___SessionClosed: ...
+    @_builtins.property
+    def context_reset(self) -> Global___ContextReset: ...
     def __init__(
         self,
         *,
@@ -1388,12 +1479,13 @@ class ServerEvent(_message.Message):
         go_away: Global___GoAway | None = ...,
         error: Global___Error | None = ...,
         closed: Global___SessionClosed | None = ...,
+        context_reset: Global___ContextReset | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "error", b"error", "event", b"event", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "error", b"error", "event", b"event", "event_id", b"event_id", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "event_id", b"event_id", "go_away", b"go_away", "input_ack", b"input_ack", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "updated", "input_ack", "committed", "cleared", "speech_started", "speech_stopped", "response_started", "audio_delta", "text_delta", "transcript_delta", "audio_cancelled", "response_done", "go_away", "error", "closed"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "updated", "input_ack", "committed", "cleared", "speech_started", "speech_stopped", "response_started", "audio_delta", "text_delta", "transcript_delta", "audio_cancelled", "response_done", "go_away", "error", "closed", "context_reset"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

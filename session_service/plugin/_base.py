@@ -75,6 +75,14 @@ class DuplexModelPlugin(ABC):
     moves to another one, replays, and restarts an interrupted response for the same turn. A
     model whose state depends on more than that input (say, a long generated context it cannot
     re-derive) leaves it off: a lost worker then fails the turn."""
+    model_native: bool = False
+    """The model decides itself when to speak (model-native duplex: Moshi, PersonaPlex): input
+    flows to it continuously (the client's audio, and silence at real-time deadlines when the
+    client sends none), each of its speech spans is a response (the worker's
+    ``response_started`` / ``response_finished`` news open and close one), and the client events
+    that presume turns (commit, clear, response.create, barge_in) are refused with
+    ``unsupported_by_model``. Such a model's state is the whole conversation: it is not
+    ``replayable``, and a lost worker resets its context (``context_reset``)."""
     replay_window_s: float = 15.0
     """How much input the model's state depends on (the parrot keeps at most 15 s of utterance):
     the session keeps at most this much of the committed input a response answers and as much

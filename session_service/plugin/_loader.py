@@ -49,6 +49,9 @@ def validate_plugin(plugin: DuplexModelPlugin) -> None:
         raise PluginLoadError(f"plugin {name} must declare worker_format as a PcmFormat")
     if not isinstance(plugin.frame_samples, int) or plugin.frame_samples <= 0:
         raise PluginLoadError(f"plugin {name} must declare a positive frame_samples")
+    if plugin.model_native and plugin.replayable:
+        # Its state is the whole conversation: replaying a turn's input cannot rebuild it.
+        raise PluginLoadError(f"plugin {name}: a model-native model cannot be replayable")
     defaults = plugin.sampling_defaults
     if not isinstance(defaults, tuple) or not defaults:
         raise PluginLoadError(f"plugin {name} must declare sampling_defaults, one per stage")

@@ -33,8 +33,21 @@ class Capabilities:
     turn_failover: bool = False
     """Whether a turn survives the loss of its worker (the plugin is ``replayable`` and the
     service keeps turns' input: set by the session service, not the plugin)."""
+    model_native: bool = False
+    """The model decides itself when to speak (``TURN_POLICY_MODEL_NATIVE``; set by the session
+    service from the plugin)."""
+    frame_period_ms: int = 0
+    """The model's frame period (set by the session service from the plugin)."""
 
-    def to_proto(self) -> session_pb2.Capabilities:
+    def turn_policy(self, *, auto_respond: bool) -> session_pb2.TurnPolicy.ValueType:
+        """The policy of a session with these capabilities and its ``auto_respond`` setting."""
+        if self.model_native:
+            return session_pb2.TURN_POLICY_MODEL_NATIVE
+        if self.turn_detection and auto_respond:
+            return session_pb2.TURN_POLICY_SERVER_VAD
+        return session_pb2.TURN_POLICY_CLIENT_COMMIT
+
+    def to_proto(self, *, auto_respond: bool = True) -> session_pb2.Capabilities:
         return session_pb2.Capabilities(
             model=self.model,
             input_formats=[f.to_proto() for f in self.input_formats],
@@ -45,6 +58,9 @@ class Capabilities:
             turn_detection=self.turn_detection,
             resume_scope=self.resume_scope,
             turn_failover=self.turn_failover,
+            turn_policy=self.turn_policy(auto_respond=auto_respond),
+            model_barge_in=self.model_native,
+            frame_period_ms=self.frame_period_ms,
         )
 
 

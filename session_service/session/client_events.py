@@ -29,6 +29,8 @@ from session_service.session.state import WorkerHandle
 
 COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
 CLEAR = worker_pb2.SUBMISSION_KIND_CLEAR
+#: Client events that presume turns: a model-native model (it decides when to speak) refuses them.
+TURN_EVENTS = frozenset({"commit", "clear", "response_create", "barge_in"})
 
 log = logging.getLogger("session_service.session.runner")
 
@@ -55,6 +57,12 @@ class ClientEvents(Failover):
         """Handle one client event from the mailbox (``size``: its ``ByteSize()``)."""
         kind = ev.WhichOneof("event")
         EVENTS_IN[kind or "none"].inc()
+        if kind in TURN_EVENTS and self._plugin.model_native:
+            raise BadEventError(
+                ErrorCode.UNSUPPORTED_BY_MODEL,
+                f"{kind}: the model decides itself when to speak (model-native duplex): no turns to "
+                "commit, clear, ask for or barge in on; response_cancel silences what it says",
+            )
         match kind:
             case "append":
                 link = self.link

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 
 from duplex.errors import DuplexError, ErrorCode, UnavailableError
-from duplex.v1 import worker_pb2
+from duplex.v1 import session_pb2, worker_pb2
 from session_service.metrics import FAILOVERS, REPLAYED_FRAMES, RESTARTED_RESPONSES, RESTARTS_TIMED_OUT
 from session_service.plugin import ReplayStep
 from session_service.session.lifecycle import CloseReason, InputStatus, TurnStatus
@@ -72,6 +72,9 @@ class Failover(SessionState):
         if self.link is not link or self.closed:
             return
         self._bind(None)
+        if self._plugin.model_native:
+            self._context_lost(link)
+            return
         if self._replayable:
             if all(left is not link for left in self._left):
                 self._left.append(link)
@@ -90,6 +93,24 @@ class Failover(SessionState):
         if self.response is not None:
             self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
         self._error(UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the session's worker went away"))
+
+    def _context_lost(self, link: WorkerHandle) -> None:
+        """A model-native model's worker went away, and with it the model's context: its state is
+        the whole conversation, which no kept input rebuilds. What it was saying ends
+        ``failed/worker_unavailable``, the client is told the context starts over
+        (``context_reset``), and the session moves to another worker at once with a fresh model
+        (nothing to replay); input goes on to it. Nothing of the old worker reaches the client
+        after this (its output is not this session's any more: ``stale_worker``)."""
+        FAILOVERS.labels(result="context_reset").inc()
+        self._stale.extend(() if any(stale is link for stale in self._stale) else (link,))
+        self.reset_acks()
+        if self.response is not None:
+            self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
+        self._safely(
+            lambda: self.emitter.emit("context_reset", session_pb2.ContextReset(reason="worker_lost"))
+        )
+        if not self.closed:
+            self._schedule_recover()
 
     async def _recover(self) -> None:
         """After a worker loss (or a takeover mid-reply): move to a healthy worker, replaying the

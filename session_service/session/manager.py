@@ -2,15 +2,14 @@
 
 A resume either re-binds the stream to the live runner of this replica or takes the session
 over from another one, rebuilding its settings and runtime config from the signed resume token
-(see ``session_service.trust.resume_tokens``). Resumes of one session id are serialized: a second resume
-that arrives while the first is taking the session over waits for it and then re-binds to the
-runner it created, so a replica never holds two runners of one session.
+(``session_service.trust.resume_tokens``). Resumes of one session id are serialized (a second
+waits for the first's takeover, then re-binds): a replica never holds two runners of a session.
 
-Every token names the worker the session lives on (``ResumeClaims.worker_id``): it is issued
-once the session is placed, and refreshed when the session has moved. A takeover attaches the
-session on that worker first (``prefer``), so the takeover fences the previous owner out where
-the session lives; only when that worker is not healthy here does it move, and the placer then
-evicts it from the old worker (``session_service.workers.eviction``).
+Every token names the worker the session lives on (``ResumeClaims.worker_id``), issued once the
+session is placed and refreshed when it moved. A takeover attaches the session on that worker
+first (``prefer``), fencing the previous owner out where the session lives; only when that
+worker is not healthy here does it move, and the placer evicts it from the old one
+(``session_service.workers.eviction``); a model-native model's context then starts over.
 """
 
 from __future__ import annotations
@@ -100,9 +99,8 @@ class SessionManager:
         wall_clock: Callable[[], float] = time.time,
         clock: Clock = MONOTONIC,
     ) -> None:
-        """``placer``: places the sessions of this manager and of its runners (which call it as a
-        plain ``Placer``); ``wall_clock``: Unix time, for resume tokens' issue times; ``clock``:
-        the runners'."""
+        """``placer``: places this manager's sessions and its runners' (a plain ``Placer`` to them);
+        ``wall_clock``: Unix time, for tokens' issue times; ``clock``: the runners'."""
         self._plugin = plugin
         self._cfg = config
         self.registry = registry
@@ -117,6 +115,8 @@ class SessionManager:
             plugin.capabilities(max_sessions=config.max_sessions),
             resume_scope="deployment" if self._keys.shared else "replica",
             turn_failover=plugin.replayable and config.runner.turn_failover,
+            model_native=plugin.model_native,
+            frame_period_ms=round(1000 * plugin.frame_samples / plugin.worker_format.sample_rate_hz),
         )
         self.draining = False
         self._opening = 0
@@ -198,7 +198,8 @@ class SessionManager:
                 del self._opening_by[principal]
 
     def _check_turn_detection(self, settings: SessionSettings) -> None:
-        if settings.turn_detection.auto_respond and not self.capabilities.turn_detection:
+        caps = self.capabilities
+        if settings.turn_detection.auto_respond and not caps.turn_detection and not caps.model_native:
             raise BadRequestError(
                 ErrorCode.INVALID_CONFIG,
                 f"{self._plugin.plugin_id!r} has no server turn detection: "
@@ -239,9 +240,8 @@ class SessionManager:
         return held.worker_id if held is not None else ""
 
     def _token_claims(self, session_id: str, token: str, max_age_s: float, now: float) -> ResumeClaims | None:
-        """What ``token`` says, if it is valid for ``session_id`` and at most ``max_age_s`` old
-        (None if not). A token this replica issued (``_current_token``) is not opened again: what
-        it says is remembered (a session's token changes at every response)."""
+        """What ``token`` says, if valid for ``session_id`` and at most ``max_age_s`` old (None if
+        not). One this replica issued (``_current_token``) is remembered, not opened again."""
         issued = self._issued.get(session_id)
         if issued is not None and issued[0] == token:
             return issued[1] if now - issued[1].issued_at <= max_age_s else None
@@ -251,9 +251,8 @@ class SessionManager:
             return None
 
     def _naming_worker(self, claims: ResumeClaims, token: str, link: WorkerHandle) -> str:
-        """``token``, or a new one if it does not say ``claims`` on the worker the session was
-        just placed on; kept as it is should the new one not fit (it then names an older worker
-        or none, which costs a takeover elsewhere its preference, not its correctness)."""
+        """``token``, or a new one if it does not say ``claims`` on the worker just placed on; kept
+        should the new one not fit (a takeover elsewhere then loses its preference, nothing more)."""
         worker_id = link.worker_id or ""
         try:
             return self._current_token(dataclasses.replace(claims, worker_id=worker_id), token)
@@ -272,9 +271,8 @@ class SessionManager:
         return token
 
     def refresh_resume_token(self, runner: SessionRunner) -> str:
-        """Bring ``runner.resume_token`` up to date with its settings (``update``s change them),
-        its worker (it may have moved) and its progress (turns, events, its last response), and
-        return it. A session whose state no longer fits in a token keeps its last one."""
+        """Bring ``runner.resume_token`` up to date with its settings, worker and progress (turns,
+        events, its last response) and return it; a state too large for a token keeps the last."""
         claims = self._claims(
             runner.session_id,
             runner.settings,
@@ -351,8 +349,8 @@ class SessionManager:
         return self._start(session_id, principal, settings, runtime, extra, link, epoch, token)
 
     async def resume(self, msg: session_pb2.SessionResume, *, principal: str = ANONYMOUS) -> SessionRunner:
-        """Re-bind to a live runner here, or take the session over from another replica; only
-        the principal that opened the session may (``not_session_owner``)."""
+        """Re-bind to a live runner here, or take the session over from another replica (only its
+        principal may: ``not_session_owner``)."""
         claims = decode(
             self._keys,
             msg.resume_token,
@@ -423,9 +421,12 @@ class SessionManager:
         )
         # Only the worker the token names holds the committed input an interrupted reply answers.
         same_worker = bool(claims.worker_id) and link.worker_id == claims.worker_id
-        return self._start(
+        runner = self._start(
             claims.session_id, principal, settings, runtime, extra, link, epoch, token, progress, same_worker
         )
+        if self._plugin.model_native and not same_worker:  # its model state stayed behind
+            runner.emitter.emit("context_reset", session_pb2.ContextReset(reason="resumed"))
+        return runner
 
     def _start(
         self,
@@ -488,9 +489,7 @@ def _events_seen(from_token: int, last_event_id: str) -> int:
     """Events numbered before a takeover: the token's count, or the client's last ``se_N`` when
     it saw later ones (the lost replica numbered events after it issued the token)."""
     match = _EVENT_ID.fullmatch(last_event_id)
-    if match is None:
-        return from_token
-    return max(from_token, min(int(match[1]), from_token + MAX_EVENTS_AHEAD))
+    return from_token if match is None else max(from_token, min(int(match[1]), from_token + MAX_EVENTS_AHEAD))
 
 
 def _check_owner(owner: str, principal: str) -> None:

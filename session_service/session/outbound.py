@@ -78,6 +78,8 @@ class Outbound:
         """(the displaced writer a ``take`` waits for, the timer that cuts it off)."""
         self._taken: list[_Item] = []
         """What the writer (``_writer``) took and has not said it wrote (``unsent`` puts it back)."""
+        self.on_audio: Callable[[session_pb2.AudioDelta], None] | None = None
+        """Told of each audio event as a stream takes it (the session's ``pacing``)."""
         self.numbered = 0
         """Events numbered so far, ``se_1`` .. ``se_<numbered>`` (a session taken over from
         another replica starts from the count its token and the client's ``last_event_id`` say)."""
@@ -334,6 +336,9 @@ class Outbound:
                 continue
             self._number(item.event)
             item.size += len(item.event.event_id) + 2  # the id's field: a tag and a length byte
-            EVENTS_OUT[item.event.WhichOneof("event") or "none"].inc()
+            kind = item.event.WhichOneof("event") or "none"
+            EVENTS_OUT[kind].inc()
+            if kind == "audio_delta" and self.on_audio is not None:
+                self.on_audio(item.event.audio_delta)
             return item
         return None

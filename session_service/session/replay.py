@@ -95,7 +95,7 @@ class ReplayLog:
 
     def appended(self, frames: bytes, *, epoch: int, seq: int, turn_id: int = 0) -> None:
         """An APPEND of ``frames`` was handed on under worker ``seq`` in ``epoch``."""
-        if not frames:
+        if not frames or not self.max_bytes:  # a log of no bytes keeps nothing (no replays)
             return
         self._tail.append(Chunk(frames, epoch, seq, turn_id))
         self._tail_bytes += len(frames)

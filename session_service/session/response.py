@@ -153,6 +153,9 @@ class ActiveResponse:
     restart: bool = False
     """It restarts the reply of a turn whose worker was lost: it has ``restart_timeout_s`` from
     its start to send audio (``started_at`` is then its start)."""
+    native: bool = False
+    """A speech span a model-native model started itself: its output carries the fences of the
+    input that clocked it (any turn), so only its epoch fences it; spans come one after another."""
 
     def started(self) -> session_pb2.ResponseStarted:
         return session_pb2.ResponseStarted(

@@ -6,8 +6,9 @@
   pending, acks reset, the epoch advance, turn commit, response begun/finished, close); no I/O.
 - ``failover`` (``Failover``): the worker binding, replay, restart, recover.
 - ``client_events`` (``ClientEvents``): the client's events.
+- ``silence`` (``SilenceFeeding``): real-time silence for a model clocked by its input.
 - here: the mailbox, the deadlines and dispatch (one asyncio task consumes the mailbox, one
-  watches the deadlines), response start and silence continuation, worker output.
+  watches the deadlines), response start, worker output.
 
 Client events are processed strictly in order by one asyncio task consuming a bounded
 mailbox. Worker outputs arrive from the router synchronously (``on_output``, applied by
@@ -35,14 +36,15 @@ from duplex.clock import MONOTONIC, Clock
 from duplex.errors import DuplexError, ErrorCode, InternalError, UnavailableError
 from duplex.v1 import common_pb2, session_pb2, worker_pb2
 from session_service.config import RunnerConfig
-from session_service.metrics import DROPPED, MAILBOX_FULL, SILENCE_FRAMES
+from session_service.metrics import DROPPED
 from session_service.plugin import Capabilities, DuplexModelPlugin, SessionSettings
 from session_service.session.answer_order import AnswerOrder
-from session_service.session.client_events import ClientEvents
 from session_service.session.failover import RECOVER_DELAYS_S, REPLAY_APPEND_FRAMES
 from session_service.session.lifecycle import ENDED_FOR_GOOD, CloseReason, DropReason, SessionStatus
 from session_service.session.mailbox import Mailbox
+from session_service.session.pacing import OutputPacing
 from session_service.session.response import ActiveResponse, SilenceFeeder
+from session_service.session.silence import SilenceFeeding, SilenceRequest
 from session_service.session.state import FAILED, Placer, Restart, WorkerHandle
 from session_service.session.worker_output import StepFence, WorkerOutput
 from session_service.trust.auth import ANONYMOUS
@@ -94,13 +96,6 @@ class _Recover:
 
 
 @dataclass(slots=True)
-class _Silence:
-    """The silence feeder asks for a frame for ``response``."""
-
-    response: ActiveResponse
-
-
-@dataclass(slots=True)
 class RunnerDeps:
     """What a runner is built with besides its own settings."""
 
@@ -115,7 +110,7 @@ class RunnerDeps:
     ``response_done`` carry one, so a client always holds one that knows its last response)."""
 
 
-class SessionRunner(ClientEvents):
+class SessionRunner(SilenceFeeding):
     """Owns one session: the asyncio shell (mailbox, deadlines, dispatch) over its layers."""
 
     def __init__(
@@ -157,7 +152,7 @@ class SessionRunner(ClientEvents):
         # Worker output is a layer above the state, working on it directly.
         self._output = WorkerOutput(self, deps.plugin, deps.clock)
         self._on_closed = deps.on_closed
-        self._mailbox: Mailbox[_Inbound | _Silence | _Recover | _Wake] = Mailbox(
+        self._mailbox: Mailbox[_Inbound | SilenceRequest | _Recover | _Wake] = Mailbox(
             max_items=self._cfg.mailbox_size, max_bytes=self._cfg.max_buffer_bytes
         )
         self._task: asyncio.Task[None] | None = None
@@ -167,12 +162,23 @@ class SessionRunner(ClientEvents):
         self._busy = False
         """The runner task is inside an item (it may be awaiting in it)."""
         self._answers = AnswerOrder(closed=lambda: self.closed)
+        self._native_feeder: SilenceFeeder | None = None
+        """A model-native session's silence feeder (it hears every frame)."""
+        pacing = OutputPacing(late_s=self._frame_period)
+        self.outbound.on_audio = lambda delta: pacing.taken(
+            delta, self.settings.output_format.duration_ms(len(delta.pcm)) / 1000.0, self._clock.now()
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         if self._restart is not None:  # taken over mid-reply: restart it first
             self._mailbox.put_control(_Recover())
+        if self._plugin.model_native and self._cfg.silence_continuation:
+            # The model hears every frame, speaking or not: real-time silence whenever the client
+            # falls behind, for the session's life (it ends with the session's tasks).
+            self._native_feeder = self._feeder(None, max_frames=2**62)
+            self._native_feeder.start()
         self._task = asyncio.create_task(self._run(), name=f"session-{self.session_id}")
         self._deadlines = asyncio.create_task(
             self._watch_deadlines(), name=f"session-{self.session_id}-deadlines"
@@ -213,7 +219,7 @@ class SessionRunner(ClientEvents):
                 session_pb2.SessionOpened(
                     session_id=self.session_id,
                     epoch=self.epoch,
-                    capabilities=self._caps.to_proto(),
+                    capabilities=self._caps.to_proto(auto_respond=self.settings.turn_detection.auto_respond),
                     resume_token=self.resume_token,
                     config=self.settings.to_proto(),
                     last_response=self._last_response_proto(),
@@ -288,7 +294,7 @@ class SessionRunner(ClientEvents):
                 try:
                     if not joins:
                         await self._answers.settled()  # appends applied at once come first
-                    if isinstance(item, _Silence):
+                    if isinstance(item, SilenceRequest):
                         await self._on_silence(item.response)
                     elif isinstance(item, _Recover):
                         await self._recover()
@@ -311,7 +317,7 @@ class SessionRunner(ClientEvents):
             if not self.closed:
                 self._close(CloseReason.INTERNAL_ERROR)
 
-    async def _next_item(self) -> _Inbound | _Silence | _Recover | None:
+    async def _next_item(self) -> _Inbound | SilenceRequest | _Recover | None:
         item = self._mailbox.get_nowait()
         if item is None:
             item = await self._mailbox.get()
@@ -398,13 +404,7 @@ class SessionRunner(ClientEvents):
             and self._cfg.silence_continuation
             and self._cfg.max_silence_frames > 0
         ):
-            resp.feeder = SilenceFeeder(
-                period_s=self._frame_period,
-                max_frames=self._cfg.max_silence_frames,
-                clock=self._clock,
-                due_in=lambda: self._timeline.silence_due_in(self._clock.now(), self._frame_period),
-                request=lambda: self._request_silence(resp),
-            )
+            resp.feeder = self._feeder(resp, max_frames=self._cfg.max_silence_frames)
             resp.feeder.start()
 
     def _on_respond_written(self, resp: ActiveResponse, fut: asyncio.Future[None]) -> None:
@@ -413,41 +413,6 @@ class SessionRunner(ClientEvents):
         if self.response is resp and not self.closed:
             self.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
             self._error(UnavailableError(ErrorCode.WORKER_UNAVAILABLE, "the response could not be sent"))
-
-    def _request_silence(self, resp: ActiveResponse) -> bool:
-        if not self._mailbox.put_nowait(_Silence(resp)):
-            MAILBOX_FULL.inc()
-            return False
-        return True
-
-    async def _on_silence(self, resp: ActiveResponse) -> None:
-        # Skipped when real input is waiting, the client caught up meanwhile, or the
-        # epoch/turn/response changed.
-        if self.response is not resp or resp.epoch != self.epoch or resp.turn_id != self.turn_id:
-            return
-        if not self._mailbox.empty() or not self._timeline.silence_due(self._clock.now(), self._frame_period):
-            return
-        link = self.link
-        if link is None or not link.healthy:
-            return
-        wseq = self._worker_seq + 1
-        subs = self._plugin.plan_append(
-            request_id=self.session_id, fence=self._fence(), seq=wseq, frames=self._silence_frame, params=None
-        )
-        try:
-            await self._submit(link, subs)
-        except UnavailableError:
-            if self.link is not link:
-                return  # lost with its worker: the session was told of the loss already
-            raise
-        if self.epoch == resp.epoch:
-            self._worker_seq = wseq
-            self.replay.appended(self._silence_frame, epoch=resp.epoch, seq=wseq, turn_id=resp.turn_id)
-            self._handed_on(link, wseq, 1)
-        self._timeline.silence(self._clock.now(), self._frame_period)
-        if resp.feeder is not None:
-            resp.feeder.fed()
-        SILENCE_FRAMES.inc()
 
     # ---- worker outputs (called synchronously by the router) --------------------------------
 
@@ -478,6 +443,8 @@ class SessionRunner(ClientEvents):
             return
         super()._close(reason)
         self._on_closed(self)
+        if self._native_feeder is not None:
+            self._native_feeder.stop()
         # Closed from the router, a timer or the server: stop the mailbox task too.
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()

@@ -76,7 +76,11 @@ def settings_from_proto(
         # Default (session.proto): the input's rate with the model's encoding, mono.
         model = capabilities.output_format if capabilities is not None else PCM16K_MONO
         output_format = PcmFormat(model.encoding, input_format.sample_rate_hz, 1)
-    if cfg.HasField("turn_detection"):
+    if capabilities is not None and capabilities.model_native:
+        # The model takes turns itself: a turn detection asked for (a Realtime client's default
+        # server_vad, say) has nothing to apply to; ``opened`` says the policy instead.
+        turn = TurnDetection(auto_respond=False, barge_in=False)
+    elif cfg.HasField("turn_detection"):
         td = cfg.turn_detection
         if td.silence_ms and not MIN_SILENCE_MS <= td.silence_ms <= MAX_SILENCE_MS:
             raise BadEventError(

@@ -171,7 +171,9 @@ class SessionState:
         self._replayable = plugin.replayable and cfg.turn_failover
         wfmt = plugin.worker_format
         window = int(plugin.replay_window_s * wfmt.sample_rate_hz) * wfmt.frame_bytes
-        self.replay = ReplayLog(max_bytes=max(self._frame_bytes, min(window, cfg.max_buffer_bytes)))
+        self.replay = ReplayLog(
+            max_bytes=max(self._frame_bytes, min(window, cfg.max_buffer_bytes)) if self._replayable else 0
+        )
         """The current turn's input, kept to rebuild it on another worker (``session.replay``)."""
         self._restart: Restart | None = None
         """A response interrupted by the loss of its worker (or replica), to restart for its turn."""
@@ -327,10 +329,10 @@ class SessionState:
             self._start_response(self._commit_at)
 
     def _begin_response(
-        self, started_at: float, params: dict[str, Any] | None, restart: Restart | None
+        self, started_at: float, params: dict[str, Any] | None, restart: Restart | None, native: bool = False
     ) -> ActiveResponse:
-        """The transition of a response start (``_start_response`` hands it to the worker): the
-        response exists, the turn is answered, and ``response_started`` is queued."""
+        """A response starts (``_start_response`` hands it to the worker; a ``native`` one the
+        model started itself): the turn is answered and ``response_started`` queued."""
         if self.response is not None:  # never two: one would be orphaned (no response_done)
             raise BadEventError(ErrorCode.RESPONSE_IN_PROGRESS, "a response is already active")
         if restart is None:
@@ -352,6 +354,7 @@ class SessionState:
             params=params,
             mark=restart.mark if restart is not None else self.replay.last_marker(),
             restart=restart is not None,
+            native=native,
         )
         self.response = resp
         self._response_active(True)
@@ -444,10 +447,8 @@ class SessionState:
         )
 
     def fenced(self) -> None:
-        """The session's worker says another owner took the session over (a resume on another
-        replica): this replica's stream is told ``closed{resumed_elsewhere}`` at once, as a
-        stream displaced on this replica is, and the runner ends. A resume here later takes the
-        session over again at the worker, where a session closed since is refused."""
+        """Another owner took the session over at its worker (a resume on another replica): this
+        replica's stream is told ``closed{resumed_elsewhere}`` at once and the runner ends."""
         self._close(CloseReason.RESUMED_ELSEWHERE)
 
     # ---- closing ---------------------------------------------------------------------------

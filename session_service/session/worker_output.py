@@ -103,14 +103,17 @@ def audio_drop_reason(
         return DropReason.STALE_EPOCH
     if fence.session_id != session_id:
         return DropReason.WRONG_SESSION
-    if response is None or fence.turn_id != response.turn_id:
+    if response is None:
+        return DropReason.STALE_TURN if fence.turn_id < turn_id else DropReason.RESPONSE_CANCELLED
+    if fence.turn_id != response.turn_id and not response.native:
         return DropReason.STALE_TURN if fence.turn_id < turn_id else DropReason.RESPONSE_CANCELLED
     return None
 
 
-def belongs_to(fence: common_pb2.Fence, response: ActiveResponse | None) -> bool:
-    """Text and rejections of the active response's turn are its own."""
-    return response is not None and fence.turn_id == response.turn_id
+def belongs_to(fence: StepFence, response: ActiveResponse | None) -> bool:
+    """Text and rejections of the active response's turn are its own (a model-native span's
+    output carries the fences of the input that clocked it: its epoch is what fences it)."""
+    return response is not None and (response.native or fence.turn_id == response.turn_id)
 
 
 def barges_in(fence: common_pb2.Fence, response: ActiveResponse | None, *, enabled: bool) -> bool:
@@ -204,6 +207,10 @@ class WorkerOutput:
                     "speech_stopped",
                     session_pb2.SpeechStopped(audio_ms=vad.sample_offset * 1000 // self._rate),
                 )
+        if u.response_started and not input_only and self._plugin.model_native and s.response is None:
+            # The model starts speaking on its own: its span is a response (before this step's text
+            # and audio).
+            s._begin_response(self._clock.now(), None, None, native=True)
         if u.text:
             resp = s.response
             if resp is not None and not input_only and belongs_to(u.fence, resp):
@@ -263,7 +270,7 @@ class WorkerOutput:
         s = self._session
         resp = s.response
         # A completion or failure ends the active response only with its turn and epoch.
-        if resp is None or u.fence.turn_id != resp.turn_id or u.fence.epoch != resp.epoch:
+        if resp is None or not belongs_to(u.fence, resp) or u.fence.epoch != resp.epoch:
             if u.response_finished:
                 DROPPED[DropReason.STALE_TURN].inc()
             return

@@ -33,7 +33,18 @@ def _null(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]
     return NullModel(device, **options)
 
 
+def _moshi(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    from worker_service.models.moshi.checkpoint import import_moshi
+
+    import_moshi()  # a missing package says how to install it, not where it failed to import
+    from worker_service.models.moshi.model import MoshiModel
+
+    # As for parrot: the model checks its options itself.
+    return MoshiModel(device, **options)  # type: ignore[arg-type]  # see above
+
+
 MODELS: dict[str, ModelFactory] = {
+    "moshi": _moshi,
     "null": _null,
     "parrot": _parrot,
     "synthetic": _synthetic,
