@@ -14,18 +14,18 @@ setup: $(VENV)/.installed
 # so it goes in without its dependencies, after its real needs (the worker extra lists them).
 MOSHI_VERSION ?= 0.2.13
 
-# Everything: the client and session service (base), the worker's models ([worker]), the
-# tools ([dev]) and the voice-agent frameworks the Realtime edge's tests drive ([frameworks],
-# then Pipecat with --no-deps: its pins clash with this project's, see pyproject.toml; about
-# 40 s more). torch==2.13.0 first: it is the CPU build on disk here; the [worker] extra's
-# requirement is a range it satisfies, so pip adds no multi-GB CUDA build (a plain torch
-# requirement with no torch installed would pull one).
+# Everything: the client and session service (base), the worker's models ([worker]), WebRTC on
+# the Realtime edge ([webrtc]), the tools ([dev]) and the voice-agent frameworks the Realtime
+# edge's tests drive ([frameworks], then Pipecat with --no-deps: its pins clash with this
+# project's, see pyproject.toml; about 40 s more). torch==2.13.0 first: it is the CPU build on
+# disk here; the [worker] extra's requirement is a range it satisfies, so pip adds no multi-GB
+# CUDA build (a plain torch requirement with no torch installed would pull one).
 PIPECAT ?= pipecat-ai==1.14.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[worker,dev,frameworks]'
+	$(BIN)/pip install -q -e '.[worker,webrtc,dev,frameworks]'
 	$(BIN)/pip install -q --no-deps moshi==$(MOSHI_VERSION)
 	$(BIN)/pip install -q --no-deps '$(PIPECAT)'
 	touch $@
@@ -92,7 +92,7 @@ IMAGE_TAG ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo dev)
 IMAGE_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
 IMAGE_REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 IMAGE_BUILD_ARGS ?=
-IMAGES ?= session worker-cpu worker-cuda
+IMAGES ?= session realtime worker-cpu worker-cuda
 CONTAINER_ENGINE ?= $(shell for e in docker podman buildah; do \
   command -v $$e >/dev/null 2>&1 && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
 

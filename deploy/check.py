@@ -64,9 +64,10 @@ REQUIRED_TIERS = ("session", "worker")
 GRPC_TIERS = ("session", "worker")
 #: The tiers an autoscaler owns the replica count of.
 AUTOSCALED_TIERS = ("session", "realtime")
-#: The Realtime edge runs from the session image, whose entry point is ``duplex session``: its
-#: container names the subcommand itself.
-REALTIME_COMMAND = ["duplex", "realtime"]
+#: Each tier's image (the logical names the base uses, the repositories the overlays pin): the
+#: edge's is the realtime image (the session image with the webrtc extra), entry point
+#: ``duplex realtime``.
+TIER_IMAGES = {"session": "session", "realtime": "realtime"}
 #: The edge's probes: plain GETs on its WebSocket port (HTTPS when it serves wss).
 REALTIME_PROBES = {"startupProbe": "/healthz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
 #: The edge's WebSocket container port name (the Service's target, the policies' port).
@@ -464,16 +465,12 @@ def _check_main_container(ctx: Context, w: Workload, loads: list[Workload]) -> N
     c = w.main
     a = args_map(c)
     args = [str(x) for x in c.get("args", [])]
-    # The image's entry point is `duplex <tier>`: the args are that subcommand's options. The edge
-    # runs from the session image, so its command names `duplex realtime` (and nothing else).
+    # The image's entry point is `duplex <tier>`: the args are that subcommand's options.
     if args and not args[0].startswith("--"):
         ctx.add(w, f"args start with {args[0]!r}: the image's entry point already names the subcommand")
     if "--insecure" in args:
         ctx.add(w, "runs with --insecure")
-    if w.tier == "realtime":
-        if [str(x) for x in c.get("command") or []] != REALTIME_COMMAND:
-            ctx.add(w, f"command is {c.get('command')!r}, not {REALTIME_COMMAND} (the session image's)")
-    elif c.get("command"):
+    if c.get("command"):
         ctx.add(w, "overrides the image's entry point (command)")
     # Ports: the flags and the declared container ports agree.
     listen_host, listen_port = _host_port(a.get("--listen", ""))
@@ -691,9 +688,11 @@ def _check_realtime_flags(ctx: Context, w: Workload, a: dict[str, str], loads: l
     # TLS towards it, as it serves TLS.
     if "--tls-cert" in sa and "--session-ca" not in a:
         ctx.add(w, "no --session-ca: the session service serves TLS")
-    # The session image (the base install): the same image as the session Deployment's.
-    if w.main.get("image") != session.main.get("image"):
-        ctx.add(w, f"image {w.main.get('image')!r} is not the session image {session.main.get('image')!r}")
+    # Its own image (the webrtc extra), not the session tier's.
+    image = str(w.main.get("image", ""))
+    if image == session.main.get("image") or _repository(image) not in ("realtime", "duplex-realtime"):
+        ctx.add(w, f"image {image!r} is not the realtime image (.../realtime@sha256:...)")
+    _check_webrtc(ctx, w, a)
     # Another tier's server key never lands in the edge's pod (the session API's certificate Secret
     # is mounted for its ca.crt alone).
     for flag in ("--tls-key", "--worker-tls-key"):
@@ -707,6 +706,47 @@ def _check_realtime_flags(ctx: Context, w: Workload, a: dict[str, str], loads: l
             items = vol["secret"].get("items")
             if items is None or any(i.get("key") == key for i in items):
                 ctx.add(w, f"volume {vol['name']!r} mounts {key} of Secret {secret}, the session tier's key")
+
+
+def _repository(image: str) -> str:
+    """The last path part of an image's repository (``reg/duplex/realtime@sha256:..`` -> realtime)."""
+    return image.split("@")[0].rsplit("/", 1)[-1].split(":")[0]
+
+
+def media_range(w: Workload) -> tuple[int, int] | None:
+    """The edge's ``--webrtc-ports`` (None when it has none, or it does not parse)."""
+    m = re.fullmatch(r"(\d+)-(\d+)", args_map(w.main).get("--webrtc-ports", ""))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _check_webrtc(ctx: Context, w: Workload, a: dict[str, str]) -> None:
+    """WebRTC's media (``--webrtc-ports``): each replica announces an address of its own, holds no
+    more calls than it has ports, and shares the client secrets' keys with the others. (The
+    NetworkPolicy that opens the range: ``_check_policies``.)"""
+    if "--webrtc-ports" not in a:
+        return
+    ports = media_range(w)
+    if ports is None or not 1024 <= ports[0] <= ports[1] <= 65535:
+        ctx.add(w, f"--webrtc-ports {a['--webrtc-ports']!r} is not LOW-HIGH within 1024-65535")
+        return
+    size = ports[1] - ports[0] + 1
+    max_calls = int(a["--max-calls"]) if a.get("--max-calls", "").isdigit() else 64
+    if max_calls == 0 or max_calls > size:
+        ctx.add(w, f"--max-calls {max_calls or 'unbounded'} exceeds the {size} media ports of --webrtc-ports")
+    # The address a browser sends its media to is this replica's: the pod's own IP (downward API),
+    # not one address for every replica of an autoscaled Deployment.
+    if "--webrtc-public-address" in a:
+        ctx.add(
+            w, "--webrtc-public-address is one address for every replica: media would reach the wrong one"
+        )
+    env = {e["name"]: e for e in w.main.get("env", [])}
+    var = re.fullmatch(r"\$\((\w+)\)", a.get("--webrtc-address", ""))
+    field = ((env.get(var.group(1), {}).get("valueFrom") or {}).get("fieldRef") or {}) if var else {}
+    if field.get("fieldPath") != "status.podIP":
+        ctx.add(w, "--webrtc-address is not the pod's IP ($(VAR) of an env var from fieldRef status.podIP)")
+    # Replicas accept each other's client secrets only with the same keys.
+    if "--client-secret-keys" not in a:
+        ctx.add(w, "no --client-secret-keys: a client secret minted by one replica fails on another")
 
 
 def _cpu(quantity: object) -> float | None:
@@ -743,7 +783,9 @@ def _check_cli(ctx: Context, w: Workload) -> None:
             parser = worker_cli.build_parser()
     except ImportError as exc:
         ctx.add(
-            w, f"cannot parse its args with the duplex {w.tier} parser here ({exc}); install '.[worker,dev]'"
+            w,
+            f"cannot parse its args with the duplex {w.tier} parser here ({exc}); "
+            "install '.[worker,webrtc,dev]'",
         )
         return
     # argparse takes an unambiguous prefix for a flag: the manifests spell each one out.
@@ -898,11 +940,15 @@ def _check_policies(ctx: Context, loads: list[Workload]) -> None:
             "no default-deny NetworkPolicy (podSelector {}, policyTypes Ingress and Egress, no rules)"
         )
     flows: set[tuple[str, str, str, int, str]] = set()
+    media_open: set[tuple[int, int]] = set()
     for policy in policies:
         selected = [w for w in loads if _selects(policy["spec"].get("podSelector", {}), w.labels)]
         for direction, peers_key in (("ingress", "from"), ("egress", "to")):
             for i, rule in enumerate(policy["spec"].get(direction) or []):
                 here = f"{where(policy)} {direction}[{i}]"
+                if direction == "ingress" and _media_rule(ctx, rule, selected, here):
+                    media_open |= {(p["port"], p["endPort"]) for p in rule["ports"]}
+                    continue
                 peers = rule.get(peers_key)
                 if not peers:
                     ctx.problems.append(f"{here}: no {peers_key}: open to every source in every namespace")
@@ -929,11 +975,40 @@ def _check_policies(ctx: Context, loads: list[Workload]) -> None:
                             continue
                         for w in selected:
                             flows.add((direction, w.tier, kind, int(number), port.get("protocol", "TCP")))
+    for w in loads:
+        ports = media_range(w) if w.tier == "realtime" else None
+        if ports is not None and ports not in media_open:
+            ctx.add(
+                w,
+                f"no NetworkPolicy lets UDP {ports[0]}-{ports[1]} (its --webrtc-ports) in: no media",
+            )
     want = expected_flows(loads)
     for flow in sorted(want - flows):
         ctx.problems.append(f"NetworkPolicy: flow {_flow(flow)} is not allowed (the tiers need it)")
     for flow in sorted(flows - want):
         ctx.problems.append(f"NetworkPolicy: flow {_flow(flow)} is allowed but not needed")
+
+
+def _media_rule(ctx: Context, rule: Doc, selected: list[Workload], here: str) -> bool:
+    """Whether an ingress rule is the one that opens WebRTC's media: UDP port ranges (``endPort``)
+    only. Browsers are anywhere, so its peers may be every address; the range must be exactly the
+    ``--webrtc-ports`` of the edge pods it selects, and it must select nothing else."""
+    ports = rule.get("ports") or []
+    if not ports or not all(p.get("protocol") == "UDP" and p.get("endPort") for p in ports):
+        return False
+    if not rule.get("from"):
+        ctx.problems.append(f"{here}: no from: open to every source")
+    if not selected or any(w.tier != "realtime" for w in selected):
+        ctx.problems.append(f"{here}: a UDP port range to pods other than the Realtime edge's")
+        return True
+    for p in ports:
+        for w in selected:
+            if media_range(w) != (p.get("port"), p.get("endPort")):
+                ctx.problems.append(
+                    f"{here}: UDP {p.get('port')}-{p.get('endPort')} is not {where(w.doc)}'s --webrtc-ports "
+                    f"({args_map(w.main).get('--webrtc-ports', 'none')})"
+                )
+    return True
 
 
 def _flow(flow: tuple[str, str, str, int, str]) -> str:
@@ -1183,18 +1258,31 @@ def image_problems(run_as_user: set[int] | None = None) -> list[str]:
     tools that installs only the builder's wheels, a non-root USER (the pods' runAsUser when given),
     an entry point that is a ``duplex`` subcommand, no torch in the session image, the torch build
     each worker image promises (the CUDA one paired with its base image's CUDA), and a builder that
-    copies every package of the project (the session image also runs ``duplex realtime``)."""
+    copies every package of the project; the session and realtime images' builders the same."""
     from duplex.cli import SUBCOMMANDS
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     problems: list[str] = []
     files = sorted(IMAGES.glob("*.Containerfile"))
     tiers = {f.name.split(".")[0].split("-")[0] for f in files}
-    if tiers != {"session", "worker"}:
-        problems.append(f"deploy/images: expected session and worker Containerfiles, found {sorted(tiers)}")
+    if tiers != {"session", "realtime", "worker"}:
+        problems.append(
+            f"deploy/images: expected session, realtime and worker Containerfiles, found {sorted(tiers)}"
+        )
     for path in files:
         problems += containerfile_problems(path.name, path.read_text(), pyproject, SUBCOMMANDS, run_as_user)
+    problems += same_builder_problems(IMAGES / "session.Containerfile", IMAGES / "realtime.Containerfile")
     return problems
+
+
+def same_builder_problems(first: Path, second: Path) -> list[str]:
+    """The two images' builder stages are the same instructions (one build serves both)."""
+    if not first.is_file() or not second.is_file():
+        return []
+    a, b = (parse_containerfile(p.read_text())[:-1] for p in (first, second))
+    if [(s.base, s.name, s.instructions) for s in a] != [(s.base, s.name, s.instructions) for s in b]:
+        return [f"deploy/images/{second.name}: its builder stages differ from {first.name}'s"]
+    return []
 
 
 def containerfile_problems(
@@ -1276,12 +1364,14 @@ def containerfile_problems(
     every = [c for s in stages for c in pip_calls(s)]
     final_set = install_set([t for c in final_calls for t in c.targets], pyproject)
     all_set = install_set([t for c in every for t in c.targets], pyproject)
-    if tier == "session":
+    if tier in ("session", "realtime"):
         heavy = sorted(n for n in all_set if n in TORCH_PACKAGES or n.startswith("nvidia-"))
         if heavy:
-            problems.append(f"{here}: the session image installs {heavy} (the base install has no torch)")
+            problems.append(f"{here}: the {tier} image installs {heavy} (the base install has no torch)")
         if _norm(pyproject["project"]["name"]) not in final_set:
             problems.append(f"{here}: the final stage does not install the project")
+        if tier == "realtime" and "aiortc" not in final_set:
+            problems.append(f"{here}: the realtime image does not install aiortc (the webrtc extra)")
     else:
         if not {"torch", "silero-vad"} <= final_set:
             problems.append(

@@ -1,5 +1,5 @@
-"""``make images-check``: build the session and CPU worker images from deploy/images/, run them as a
-local stack and hold one conversation through them.
+"""``make images-check``: build the session, realtime and CPU worker images from deploy/images/, run
+them as a local stack and hold one conversation through them.
 
 With buildah (``--isolation chroot``: no daemon, no cgroups, the host's network), in a storage of
 its own under /var/tmp that is removed at the end, so nothing else's images are touched:
@@ -12,15 +12,18 @@ its own under /var/tmp that is removed at the end, so nothing else's images are 
    builder gets the torch wheel this machine's pip installs (``pip download torch==VERSION``,
    which must be the +cpu build) through ``TORCH_WHEELS``, so no CUDA build is downloaded.
    The CUDA worker is built only when its registry base can be pulled; otherwise it is skipped
-   with the reason (its Containerfile is checked by ``make deploy-check``).
-3. Checks: the session image has no torch (``python -c "import torch"`` fails in it), the worker's
-   torch is the +cpu build, each image's size (the session's under 250 MB), its version and
-   revision labels, a numeric non-root user.
+   with the reason (its Containerfile is checked by ``make deploy-check``). The realtime image's
+   builder is the session image's (``--layers`` builds it once).
+3. Checks: the session and realtime images have no torch (``python -c "import torch"`` fails in
+   them), the realtime image's WebRTC stack loads (aiortc, PyAV's libopus), the worker's torch is
+   the +cpu build, each image's size (the session's under 250 MB, the realtime's under 400 MB),
+   its version and revision labels, a numeric non-root user.
 4. The stack: each image's ENTRYPOINT run in a container of it (``buildah from`` + ``buildah run
    --isolation chroot``, as the image's user) on loopback ports, health awaited, then
    ``duplex talk examples/hello.wav`` (the host's) through it; the reply must be non-empty audio.
-   Then ``duplex realtime`` from the session image in front of that session service, its
-   ``/healthz`` awaited, and one turn through it over WebSocket (Realtime JSON events, 24 kHz PCM):
+   Then ``duplex realtime`` from the realtime image in front of that session service, its
+   ``/healthz`` awaited, and one turn through it over WebSocket (Realtime JSON events, 24 kHz PCM)
+   and one over a WebRTC call (aiortc on this machine as the browser, hello.wav its microphone):
    ``response.done`` ``completed`` with over a second of audio. No container may have had a file
    written outside /tmp (buildah run has no read-only root, so this stands in for the pods'
    readOnlyRootFilesystem).
@@ -430,6 +433,49 @@ def wait_http_ok(name: str, url: str, proc: subprocess.Popen[bytes], timeout_s: 
     raise CheckFailed(f"{name}: {url} not healthy after {timeout_s:.0f} s ({last})")
 
 
+#: Run in the realtime image: its WebRTC stack loads (aiortc, PyAV's Opus in FFmpeg).
+WEBRTC_PROBE = (
+    "import aiortc, av; av.CodecContext.create('libopus', 'w'); "
+    "print('aiortc', aiortc.__version__, 'av', av.__version__, 'libopus ok')"
+)
+
+
+def webrtc_turn(address: str, timeout_s: float) -> str:
+    """One turn through the Realtime edge at ``address`` over a WebRTC call, with aiortc on this
+    machine as the browser (tests/webrtc_helpers.py): examples/hello.wav as its microphone; returns
+    what came back, or raises ``CheckFailed``."""
+    import asyncio
+
+    from duplex.audio import resample
+    from tests.webrtc_helpers import PcmTrack, connect, hello_16k, offer, post_call
+
+    async def turn() -> str:
+        import numpy as np
+
+        mic = np.concatenate([resample(hello_16k(), 16_000, 48_000), np.zeros(48_000 * 2, np.float32)])
+        peer = await offer(PcmTrack(mic))
+        try:
+            status, answer, _ = await post_call(f"http://{address}", peer.pc.localDescription.sdp)
+            if status != 201:
+                raise CheckFailed(f"webrtc: POST /v1/realtime/calls answered {status}: {answer[:300]}")
+            await connect(peer, answer)
+            done = await peer.next_event("response.done", timeout_s)
+            await peer.next_event("output_audio_buffer.stopped", 10)
+            status_ = done["response"]["status"]
+            heard = peer.audio()
+            loud = np.flatnonzero(np.abs(heard) > 0.02)
+            seconds = (loud[-1] - loud[0]) / 48_000 if len(loud) else 0.0
+            if status_ != "completed" or seconds < 1.0:
+                raise CheckFailed(f"webrtc: response {status_} with {seconds:.2f} s of audio heard")
+            return f"response.done completed, {seconds:.2f} s of the reply heard on the track"
+        finally:
+            for task in peer.tasks:
+                task.cancel()
+            await peer.pc.close()
+
+    return asyncio.run(asyncio.wait_for(turn(), timeout_s + 15))
+
+
 def realtime_turn(address: str, timeout_s: float) -> str:
     """One turn through the Realtime edge at ``address`` (plain WebSocket JSON events):
     examples/hello.wav as 24 kHz PCM16 appends and silence; returns what came back, or raises
@@ -610,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         built: dict[str, str] = {}
         for name, extra in (
             ("session", []),
+            ("realtime", []),  # session.Containerfile's builder, cached by --layers: its final stage
             (
                 "worker-cpu",
                 [
@@ -667,23 +714,25 @@ def main(argv: list[str] | None = None) -> int:
             uid = f.user.split(":")[0]
             if not uid.isdigit() or uid == "0":
                 raise CheckFailed(f"{name}: user {f.user!r} is not a numeric non-root uid")
-        session_mb = facts["session"].size / 1e6
-        size_problem = f"session: {session_mb:.0f} MB, not under 250 MB" if session_mb >= 250 else ""
+        session_mb, realtime_mb = facts["session"].size / 1e6, facts["realtime"].size / 1e6
+        size_problem = "; ".join(
+            f"{name}: {mb:.0f} MB, not under {limit} MB"
+            for name, mb, limit in (("session", session_mb, 250), ("realtime", realtime_mb, 400))
+            if mb >= limit
+        )
         if size_problem:
             log(f"FAIL (checked again at the end): {size_problem}")
         # 4. Containers: torch where it belongs, then the stack.
         ctrs = {
             name: b.container(built[name], f"duplex-image-check-{name}-{os.getpid()}")
-            for name in ("session", "worker-cpu")
+            for name in ("session", "realtime", "worker-cpu")
         }
-        # The Realtime edge runs from the session image (`duplex realtime`: the base install).
-        ctrs["realtime"] = b.container(built["session"], f"duplex-image-check-realtime-{os.getpid()}")
-        user = {name: facts["session" if name == "realtime" else name].user for name in ctrs}
+        user = {name: facts[name].user for name in ctrs}
         probe = (
             "import os, sys\ntry:\n import torch\nexcept ImportError as e:\n"
             " print('no torch:', e); sys.exit(3)\nprint('torch', torch.__version__, 'uid', os.getuid())"
         )
-        for name, want in (("session", 3), ("worker-cpu", 0)):
+        for name, want in (("session", 3), ("realtime", 3), ("worker-cpu", 0)):
             proc = subprocess.run(
                 b.run_argv(ctrs[name], user[name], ["python", "-c", probe]), capture_output=True, text=True
             )
@@ -698,6 +747,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: MB by folder: {dict(zip(du[1::2], du[0::2], strict=False))}")
             if proc.returncode != want or (name == "worker-cpu" and "+cpu" not in proc.stdout):
                 raise CheckFailed(f"{name}: unexpected torch probe result {proc.returncode}: {out[-5:]}")
+        webrtc = subprocess.run(
+            b.run_argv(ctrs["realtime"], user["realtime"], ["python", "-c", WEBRTC_PROBE]),
+            capture_output=True,
+            text=True,
+        )
+        log(f"realtime: {(webrtc.stdout + webrtc.stderr).strip().splitlines()[-1:]}")
+        if webrtc.returncode != 0:
+            raise CheckFailed(f"realtime: the webrtc extra does not load: {webrtc.stderr.strip()[-300:]}")
         # The moshi model's package (installed without its dependencies) imports in the worker.
         moshi_probe = "import moshi.models.loaders, sentencepiece, safetensors; print('moshi ok')"
         proc = subprocess.run(
@@ -786,11 +843,9 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0:
             raise CheckFailed(f"duplex talk exited {proc.returncode}")
         log(f"talk: the reply {reply.relative_to(ROOT)}: {check_reply(reply)}")
-        # The Realtime edge from the session image, in front of the image-run session service.
-        entry = facts["session"].entrypoint
+        # The Realtime edge from its image, in front of the image-run session service.
         edge_argv = [
-            *(entry[:-1] if entry and entry[-1] == "session" else ["duplex"]),
-            "realtime",
+            *facts["realtime"].entrypoint,
             "--session",
             f"127.0.0.1:{ports['session']}",
             "--listen",
@@ -805,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_http_ok("realtime", f"http://127.0.0.1:{ports['realtime']}/healthz", edge, args.timeout)
         edge_address = f"127.0.0.1:{ports['realtime']}"
         log(f"realtime: a turn over WebSocket: {realtime_turn(edge_address, 60.0)}")
+        log(f"realtime: a turn over a WebRTC call: {webrtc_turn(edge_address, 60.0)}")
         # buildah run has no read-only root; instead: nothing was written outside /tmp.
         for name, ctr in ctrs.items():
             written = written_outside_tmp(b("mount", ctr).strip(), started)
@@ -816,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = ", ".join(f"{n} {f.size / 1e6:.0f} MB" for n, f in facts.items())
         log(
             f"PASS: {summary}; a conversation through the image-run stack returned the parrot's reply, "
-            "over gRPC and through the Realtime edge"
+            "over gRPC and through the Realtime edge (WebSocket and WebRTC)"
         )
     except Exception as exc:  # reported, then everything is cleaned up
         failed = True

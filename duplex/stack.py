@@ -427,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="P",
-        help="also serve the OpenAI Realtime API (WebSocket) on this port, 0 = any free one",
+        help="also serve the OpenAI Realtime API (WebSocket and WebRTC, and a page to talk in at /) on "
+        "this port, 0 = any free one",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument(
@@ -550,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         if stack.realtime is not None:
             base_url = stack.realtime_url.replace("ws://", "http://")
             print(f"Realtime API: {stack.realtime_url}/realtime (OpenAI SDK base_url={base_url})", file=text)
+            page = base_url.removesuffix("/v1") + "/"
+            print(f"Talk in a browser: {page} (WebRTC: POST {base_url}/realtime/calls)", file=text)
         print("Ctrl-C stops the stack.", file=text, flush=True)
         while not stop.signum:
             dead = stack.dead_child()

@@ -1,10 +1,12 @@
-"""One WebSocket held as one session of the session service: the asyncio shell.
+"""One client held as one session of the session service: the asyncio shell.
 
-Three tasks per connection: the reader (client frames -> commands -> the session), the pump
-(the session's events -> Realtime events -> ``Outbound``) and the writer (``Outbound`` -> the
-WebSocket). The first to end ends the others: the client went away or idled out (the session is
-closed), the session ended (what is queued is written, then the WebSocket closes), or the
-client stopped reading (cut off as a slow consumer).
+The client is a ``ClientSocket``: a WebSocket (``realtime_service.websocket``) or a WebRTC call's
+data channel and audio tracks (``realtime_service.webrtc.call``). Three tasks per connection: the
+reader (client frames -> commands -> the session), the pump (the session's events -> Realtime
+events -> ``Outbound``) and the writer (``Outbound`` -> the client). The first to end ends the
+others: the client went away or idled out (the session is closed), the session ended (what is
+queued is written, then the client is closed), or the client stopped reading (cut off as a slow
+consumer).
 
 What the Realtime API has no word for is done here: a ``go_away`` is followed by the client
 library (the session resumes on the same service), and a stream to the session service that
@@ -19,9 +21,6 @@ import json
 import logging
 from dataclasses import dataclass
 from typing import Final, Protocol
-
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
 
 from duplex.client import Session
 from duplex.errors import DuplexError
@@ -62,6 +61,31 @@ CLOSE_GOING_AWAY: Final = 1001
 CLOSE_POLICY: Final = 1008
 CLOSE_INTERNAL: Final = 1011
 CLOSE_TRY_AGAIN: Final = 1013
+
+
+class ClientGone(Exception):
+    """The client's end is closed (it left, or its connection failed)."""
+
+
+class ClientSocket(Protocol):
+    """What a connection reads from and writes to: a WebSocket, or a WebRTC call."""
+
+    async def recv(self) -> str | bytes | Command:
+        """The client's next frame (a JSON event), or a command the transport made itself (a
+        call's microphone audio); raises ``ClientGone``."""
+        ...
+
+    async def send(self, text: str) -> None:
+        """Write one JSON event; raises ``ClientGone``."""
+        ...
+
+    async def close(self, code: int, reason: str) -> None:
+        """End the client's connection (a WebSocket close code and reason)."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the connection without a goodbye (a client that does not read)."""
+        ...
 
 
 class SessionSource(Protocol):
@@ -114,7 +138,7 @@ def _server_error(err: DuplexError) -> RealtimeError:
 
 
 class Connection:
-    def __init__(self, ws: ServerConnection, source: SessionSource, model: str, limits: Limits) -> None:
+    def __init__(self, ws: ClientSocket, source: SessionSource, model: str, limits: Limits) -> None:
         self.ws = ws
         self.source = source
         self.model = model
@@ -135,12 +159,23 @@ class Connection:
 
     async def run(self) -> None:
         try:
-            self.session = await self.source.open(self.model, self.settings)
+            await self.open_session()
         except DuplexError as err:
-            metrics.SESSIONS_REFUSED.labels(code=str(err.code)).inc()
             await self._send_now(self.conversation.error(_server_error(err)))
             await self.ws.close(close_code_for(err), str(err.code))
             return
+        await self.serve()
+
+    async def open_session(self) -> None:
+        """Open the connection's session; raises ``DuplexError`` (counted) when refused."""
+        try:
+            self.session = await self.source.open(self.model, self.settings)
+        except DuplexError as err:
+            metrics.SESSIONS_REFUSED.labels(code=str(err.code)).inc()
+            raise
+
+    async def serve(self) -> None:
+        """Hold the open session until the client or the session ends; then close both."""
         reader = asyncio.create_task(self._read(), name="realtime-reader")
         pump = asyncio.create_task(self._pump(), name="realtime-pump")
         writer = asyncio.create_task(self._write(), name="realtime-writer")
@@ -169,10 +204,10 @@ class Connection:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.ws.close(self.close_code, self.close_reason[:120]), 2.0)
             if self.outbound.overflowed:
-                self.ws.transport.abort()
+                self.ws.abort()
 
     async def _send_now(self, event: Event) -> None:
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(ClientGone):
             await self.ws.send(json.dumps(event))
         metrics.server_event(event["type"]).inc()
 
@@ -193,15 +228,18 @@ class Connection:
                 self.close_code, self.close_reason = CLOSE_NORMAL, "idle timeout"
                 metrics.IDLE_CLOSES.inc()
                 return
-            except ConnectionClosed:
+            except ClientGone:
                 self._client_gone = True
                 return
-            try:
-                command = parse_client_event(message, self.settings.input_format)
-            except RealtimeError as err:
-                metrics.CLIENT_EVENTS.labels(type="invalid").inc()
-                self._emit([self.conversation.error(err)])
-                continue
+            if isinstance(message, str | bytes):
+                try:
+                    command = parse_client_event(message, self.settings.input_format)
+                except RealtimeError as err:
+                    metrics.CLIENT_EVENTS.labels(type="invalid").inc()
+                    self._emit([self.conversation.error(err)])
+                    continue
+            else:
+                command = message
             metrics.CLIENT_EVENTS.labels(type=type(command).__name__).inc()
             for attempt in range(2):
                 session = self.session
@@ -353,12 +391,12 @@ class Connection:
                 err = RealtimeError(reason, f"the session ended: {reason}", type="server_error")
                 self._emit([self.conversation.error(err)])
 
-    # ---- the WebSocket ---------------------------------------------------------------------
+    # ---- the client ------------------------------------------------------------------------
 
     async def _write(self) -> None:
         while (frame := await self.outbound.get()) is not None:
             try:
                 await self.ws.send(frame.text)
-            except ConnectionClosed:
+            except ClientGone:
                 self._client_gone = True
                 return

@@ -1,14 +1,15 @@
-"""The edge's WebSocket server and its streams to the session service.
+"""The edge's HTTP listener (aiohttp, one port): the Realtime API over WebSocket and WebRTC, the
+page to talk in, the probes.
 
-A WebSocket upgrade is checked before it is accepted: the path (``/v1/realtime``), the
-credentials (``Authorization: Bearer``, checked here as the session service checks them when the
-edge is given the same token file or JWKS, and passed through to it in every case), and the
-connection bounds (in all, and per principal). A refusal is a plain HTTP answer (401, 404, 429,
-503) with an OpenAI-shaped JSON error. ``/healthz`` and ``/readyz`` are the probes.
+- ``GET /v1/realtime`` (``/realtime``): a WebSocket upgrade, checked before it is accepted: the
+  credentials (``Authorization: Bearer``, checked here as the session service checks them when the
+  edge is given the same token file or JWKS, and passed through to it in every case) and the
+  connection bounds (in all, and per principal) (``realtime_service.websocket``).
+- ``POST /v1/realtime/calls``, ``/calls/{id}/hangup`` and ``/client_secrets``: WebRTC
+  (``realtime_service.calls_api``), with CORS for the origins ``--cors-origin`` allows.
+- ``GET /``: the page to talk in (``realtime_service/page/``); ``/healthz``, ``/readyz``: probes.
 
-The sessions of one credential share ONE ``ConverseMany`` stream (``Upstream``): the session
-service sees one caller with many lanes, and its per-principal limits hold for the edge's clients
-as for anyone's. A stream that failed is replaced by a new one for the next session.
+A refusal is a plain HTTP answer (400, 401, 403, 404, 429, 503) with an OpenAI-shaped JSON error.
 """
 
 from __future__ import annotations
@@ -16,42 +17,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
-from urllib.parse import parse_qs
+from typing import TYPE_CHECKING, Any
 
-from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
+from aiohttp import web
 
-from duplex.client import DuplexClient, Session, turn_detection
-from duplex.client_lanes import Lanes
 from duplex.errors import DuplexError
 from duplex.files import WatchedFiles
 from duplex.serving import Slots
-from duplex.tls import ChannelCredentials, ClientTLS
-from realtime_service import metrics
-from realtime_service.connection import CLOSE_GOING_AWAY, Connection, Limits
-from realtime_service.conversation import Settings
+from duplex.tls import ClientTLS
+from realtime_service import calls_api, cors, metrics, page, websocket
+from realtime_service.bearer import bearer_token
+from realtime_service.client_secrets import ClientSecrets, SecretKeys
+from realtime_service.connection import CLOSE_GOING_AWAY, ClientSocket, Limits
+from realtime_service.responses import HttpError, error_response
+from realtime_service.upstream import CredentialSource, Upstream
 from session_service.trust.auth import Authenticator
+
+if TYPE_CHECKING:
+    from realtime_service.webrtc.calls import Calls, CallSettings
 
 log = logging.getLogger("duplex.realtime")
 
 #: How often the TLS files are checked for a rotation.
 TLS_RELOAD_CHECK_S = 30.0
 
-#: How long a close handshake waits for the client's answer.
-CLOSE_TIMEOUT_S = 5.0
-
-_WS_LOG = logging.getLogger("duplex.realtime.websockets")
-_WS_LOG.setLevel(logging.WARNING)
-
 #: The paths the API is served at (``base_url`` + ``/realtime``, as the SDKs build it).
 REALTIME_PATHS = ("/v1/realtime", "/realtime")
+
+#: Longest request header line (a client secret that carries a session config is a few KB).
+MAX_HEADER_BYTES = 32 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,117 +69,13 @@ class EdgeConfig:
     tls_key: Path | None = None
     session_tls: ClientTLS | None = None
     drain_grace_s: float = 10.0
-
-
-def _refusal(status: HTTPStatus, code: str, message: str) -> Response:
-    body = json.dumps({"error": {"type": "invalid_request_error", "code": code, "message": message}})
-    headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-    return Response(status.value, status.phrase, headers, body.encode())
-
-
-def bearer_token(headers: Headers) -> str | None:
-    """The token of the request's one ``Authorization: Bearer`` header (None without one);
-    raises ValueError for a malformed or repeated header."""
-    values = headers.get_all("Authorization")
-    if not values:
-        return None
-    if len(values) > 1:
-        raise ValueError("more than one Authorization header")
-    scheme, _, token = values[0].strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ValueError("expected 'Authorization: Bearer <token>'")
-    return token.strip()
-
-
-@dataclass
-class _Stream:
-    client: DuplexClient
-    lanes: Lanes
-    refs: int = 0
-    """Connections holding it."""
-
-
-class Upstream:
-    """One ``ConverseMany`` stream per credential to the session service, shared by that
-    credential's connections; closed when its last connection lets it go. A stream that failed
-    is replaced (on the same channel) for the next session."""
-
-    def __init__(self, target: str, tls: ClientTLS | None) -> None:
-        self.target = target
-        self._credentials = ChannelCredentials(tls) if tls is not None else None
-        self._streams: dict[str, _Stream] = {}
-
-    def hold(self, token: str) -> None:
-        stream = self._streams.get(token)
-        if stream is None:
-            credentials = self._credentials.current() if self._credentials is not None else None
-            client = DuplexClient(self.target, credentials=credentials, token=token or None)
-            stream = self._streams[token] = _Stream(client, Lanes(client))
-            metrics.STREAMS.set(len(self._streams))
-        stream.refs += 1
-
-    def lanes(self, token: str) -> Lanes:
-        """The credential's stream (``hold`` it first), a new one if it failed."""
-        stream = self._streams[token]
-        if not stream.lanes.usable:
-            stream.lanes = Lanes(stream.client)
-        return stream.lanes
-
-    async def release(self, token: str) -> None:
-        stream = self._streams.get(token)
-        if stream is None:
-            return
-        stream.refs -= 1
-        if stream.refs <= 0:
-            del self._streams[token]
-            metrics.STREAMS.set(len(self._streams))
-            await _close(stream)
-
-    def source(self, token: str) -> CredentialSource:
-        return CredentialSource(self, token)
-
-    async def close(self) -> None:
-        streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            await _close(stream)
-
-
-async def _close(stream: _Stream) -> None:
-    await stream.lanes.close(timeout_s=2.0)
-    await stream.client.close()
-
-
-class CredentialSource:
-    """A connection's sessions, on its credential's stream (``connection.SessionSource``)."""
-
-    def __init__(self, upstream: Upstream, token: str) -> None:
-        self._upstream = upstream
-        self._token = token
-        self._held = False
-
-    def _lanes(self) -> Lanes:
-        if not self._held:
-            self._held = True
-            self._upstream.hold(self._token)
-        return self._upstream.lanes(self._token)
-
-    async def open(self, model: str, settings: Settings) -> Session:
-        lanes = self._lanes()
-        return await lanes.open_session(
-            model=model,
-            input_format=settings.input_format,
-            output_format=settings.output_format,
-            turn_detection=turn_detection(auto_respond=settings.turn.create_response, barge_in=True),
-        )
-
-    async def resume(self, session_id: str, resume_token: str) -> Session:
-        lanes = self._lanes()
-        return await lanes.resume(session_id, resume_token)
-
-    async def release(self) -> None:
-        if self._held:
-            self._held = False
-            await self._upstream.release(self._token)
+    cors_origins: tuple[str, ...] = ()
+    """Origins (``https://app.example.com``) whose pages may call ``/calls`` and
+    ``/client_secrets`` besides the edge's own page."""
+    calls: CallSettings | None = None
+    """WebRTC (None: the defaults of ``CallSettings``)."""
+    client_secret_keys: SecretKeys | None = None
+    """Keys that seal client secrets (None: a random key of this process)."""
 
 
 class EdgeServer:
@@ -188,21 +84,27 @@ class EdgeServer:
         self.auth = auth
         self.upstream = Upstream(config.session_target, config.session_tls)
         self.slots = Slots(config.max_connections_per_principal, config.max_connections)
+        self.secrets = ClientSecrets(config.client_secret_keys or SecretKeys.ephemeral())
+        self.calls: Calls | None = None
+        """The WebRTC calls (None where aiortc is not installed)."""
         self.draining = False
-        self._server: Server | None = None
-        self._connections: set[ServerConnection] = set()
+        self._runner: web.AppRunner | None = None
+        self._clients: set[ClientSocket] = set()
         self._all_gone = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def principal(self, headers: Headers) -> tuple[str, str]:
-        """(principal, token) of a request; raises PermissionError with what is wrong."""
+    def principal(self, request: web.Request) -> tuple[str, str]:
+        """(principal, token) of a request's real credential; raises PermissionError with what
+        is wrong (a client secret is not one: see ``calls_api``)."""
         try:
-            token = bearer_token(headers)
+            token = bearer_token(request.headers.getall("Authorization", []))
         except ValueError as exc:
             raise PermissionError(str(exc)) from None
+        if token is not None and self.secrets.looks_like(token):
+            raise PermissionError("a client secret is accepted on /v1/realtime/calls only")
         if self.auth.bearer_tokens:
             if token is None:
                 raise PermissionError("no credentials: send 'Authorization: Bearer <token>'")
@@ -218,67 +120,112 @@ class EdgeServer:
             return "anonymous", ""
         return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16], token
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path, _, _query = request.path.partition("?")
-        if path in ("/healthz", "/livez"):
-            return connection.respond(HTTPStatus.OK, "ok\n")
-        if path == "/readyz":
-            if self.draining:
-                return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "draining\n")
-            return connection.respond(HTTPStatus.OK, "ready\n")
-        if path.rstrip("/") not in REALTIME_PATHS:
-            metrics.REFUSED.labels(reason="not_found").inc()
-            return _refusal(HTTPStatus.NOT_FOUND, "not_found", f"the Realtime API is at {REALTIME_PATHS[0]}")
+    def authenticated(self, request: web.Request) -> tuple[str, str]:
+        """``principal`` as an ``HttpError`` (401) when refused."""
+        try:
+            return self.principal(request)
+        except PermissionError as exc:
+            raise HttpError(
+                HTTPStatus.UNAUTHORIZED, "invalid_api_key", str(exc), reason="unauthenticated"
+            ) from None
+
+    def check_open(self) -> None:
         if self.draining:
-            metrics.REFUSED.labels(reason="draining").inc()
-            return _refusal(
+            raise HttpError(
                 HTTPStatus.SERVICE_UNAVAILABLE, "draining", "this edge is draining; connect again"
             )
-        try:
-            principal, _ = self.principal(request.headers)
-        except PermissionError as exc:
-            metrics.REFUSED.labels(reason="unauthenticated").inc()
-            return _refusal(HTTPStatus.UNAUTHORIZED, "invalid_api_key", str(exc))
+
+    def admit_connection(self, request: web.Request) -> tuple[str, str]:
+        """(principal, token) of a WebSocket upgrade the edge takes; raises ``HttpError``."""
+        self.check_open()
+        principal, token = self.authenticated(request)
         full = self.slots.full(principal)
         if full is not None:
-            metrics.REFUSED.labels(reason="too_many_connections").inc()
             status = HTTPStatus.TOO_MANY_REQUESTS if full == "key" else HTTPStatus.SERVICE_UNAVAILABLE
-            return _refusal(status, "too_many_connections", f"connection limit reached ({full})")
-        return None
+            raise HttpError(
+                status,
+                "too_many_connections",
+                f"connection limit reached ({full})",
+                reason="too_many_connections",
+            )
+        return principal, token
 
-    # ---- connections -------------------------------------------------------------------------
+    def source(self, token: str) -> CredentialSource:
+        return self.upstream.source(token)
 
-    async def _handle(self, ws: ServerConnection) -> None:
-        request = ws.request
-        assert request is not None
-        query = request.path.partition("?")[2]
+    # ---- connections held --------------------------------------------------------------------
+
+    def hold(self, client: ClientSocket) -> None:
+        self._clients.add(client)
+
+    def let_go(self, client: ClientSocket) -> None:
+        self._clients.discard(client)
+        if not self._clients and not (self.calls and self.calls.active):
+            self._all_gone.set()
+
+    def let_go_all_calls(self) -> None:
+        """The last call has ended."""
+        if not self._clients:
+            self._all_gone.set()
+
+    def _anything_held(self) -> bool:
+        return bool(self._clients) or bool(self.calls and self.calls.active)
+
+    # ---- the listener ------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            # CORS outermost: errors (answered by _errors) carry its headers too.
+            middlewares=[cors.middleware(self.config.cors_origins), self._errors],
+            client_max_size=calls_api.MAX_BODY_BYTES,
+            handler_args={"max_field_size": MAX_HEADER_BYTES, "max_line_size": MAX_HEADER_BYTES},
+        )
+        app.on_response_prepare.append(_server_header)
+        ws = self._bind(websocket.handle)
+        for path in REALTIME_PATHS:
+            for variant in (path, path + "/"):
+                app.router.add_get(variant, ws, allow_head=False)
+            calls_api.add_routes(app, self, path)
+        app.router.add_get("/", page.index)
+        app.router.add_get("/talk.js", page.script)
+        for path in ("/healthz", "/livez"):
+            app.router.add_get(path, _ok)
+        app.router.add_get("/readyz", self._ready)
+        return app
+
+    def _bind(
+        self, handler: Callable[[EdgeServer, web.Request], Awaitable[web.StreamResponse]]
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def bound(request: web.Request) -> web.StreamResponse:
+            return await handler(self, request)
+
+        return bound
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         try:
-            principal, token = self.principal(request.headers)
-        except PermissionError:
-            await ws.close(1008, "unauthenticated")
-            return
-        if self.slots.full(principal) is not None:  # taken meanwhile by another handshake
-            await ws.close(1013, "too many connections")
-            return
-        model = parse_qs(query).get("model", [self.config.model])[0]
-        self.slots.take(principal)
-        self._connections.add(ws)
-        metrics.CONNECTIONS.inc()
-        metrics.CONNECTIONS_TOTAL.inc()
-        source = self.upstream.source(token)
-        try:
-            await Connection(ws, source, model, self.config.limits).run()
-        except Exception:
-            log.exception("realtime connection failed")
-        finally:
-            await source.release()
-            self.slots.give(principal)
-            self._connections.discard(ws)
-            if not self._connections:
-                self._all_gone.set()
-            metrics.CONNECTIONS.dec()
+            return await handler(request)
+        except web.HTTPNotFound:
+            metrics.REFUSED.labels(reason="not_found").inc()
+            return error_response(
+                HTTPStatus.NOT_FOUND, "not_found", f"the Realtime API is at {REALTIME_PATHS[0]}"
+            )
+        except web.HTTPMethodNotAllowed as exc:
+            return error_response(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                f"{request.method} is not served at {request.path}",
+                headers={"Allow": ", ".join(sorted(exc.allowed_methods))},
+            )
+        except HttpError as err:
+            return err.response()
 
-    # ---- the server --------------------------------------------------------------------------
+    async def _ready(self, _request: web.Request) -> web.Response:
+        if self.draining:
+            return web.Response(status=503, text="draining\n")
+        return web.Response(text="ready\n")
 
     def _ssl(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key
@@ -303,39 +250,44 @@ class EdgeServer:
         return context
 
     async def start(self) -> int:
-        self._server = await serve(
-            self._handle,
-            self.config.listen_host,
-            self.config.listen_port,
-            process_request=self._process_request,
-            max_size=self.config.max_message_bytes,
-            ssl=self._ssl(),
-            compression=None,
-            server_header="duplex-realtime",
-            close_timeout=CLOSE_TIMEOUT_S,
-            # websockets logs every request at INFO, probes included: warnings only.
-            logger=_WS_LOG,
+        self.calls = calls_api.make_calls(self)
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=5.0)
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner, self.config.listen_host, self.config.listen_port, ssl_context=self._ssl()
         )
-        self.port = next(iter(self._server.sockets)).getsockname()[1]
+        await site.start()
+        address: Any = self._runner.addresses[0]
+        self.port = int(address[1])
         return self.port
 
     async def drain(self) -> None:
-        """Refuse new connections, give the open ones ``drain_grace_s`` to end, then close them
-        (1001 going away: a Realtime client connects again and starts a new session)."""
+        """Refuse new connections and calls, give the open ones ``drain_grace_s`` to end, then close
+        them (a WebSocket with 1001 going away: a Realtime client connects again and starts a new
+        session; a call is hung up)."""
         self.draining = True
-        if self._connections:
+        if self._anything_held():
             self._all_gone.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_gone.wait(), self.config.drain_grace_s)
-        # All at once: a close handshake waits up to close_timeout for a client that does not answer.
-        closing = [ws.close(CLOSE_GOING_AWAY, "server draining") for ws in self._connections]
+        # All at once: a close handshake waits for a client that does not answer.
+        closing = [c.close(CLOSE_GOING_AWAY, "server draining") for c in self._clients]
         await asyncio.gather(*closing, return_exceptions=True)
+        if self.calls is not None:
+            await self.calls.close_all("draining")
         for task in self._tasks:
             task.cancel()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
         await self.upstream.close()
+
+
+async def _ok(_request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def _server_header(_request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = "duplex-realtime"
 
 
 __all__ = ["REALTIME_PATHS", "EdgeConfig", "EdgeServer", "Upstream", "bearer_token"]

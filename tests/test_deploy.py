@@ -81,6 +81,15 @@ def test_what_each_overlay_holds(rendered: dict[str, list[Doc]]) -> None:
     assert {"PodMonitor", "PrometheusRule", "Certificate", "Issuer"} <= kinds
     hpa = obj(full, "HorizontalPodAutoscaler", "session")
     assert {m["type"] for m in hpa["spec"]["metrics"]} == {"Resource", "Pods"}
+    # WebRTC: the edge's media range, announced on the pod's IP and opened to browsers.
+    edge = container(full, "Deployment", "realtime")
+    assert check.args_map(edge)["--webrtc-ports"] == "40000-40063"
+    assert check.args_map(edge)["--webrtc-address"] == "$(POD_IP)"
+    media = obj(full, "NetworkPolicy", "realtime-media")["spec"]["ingress"][0]["ports"]
+    assert media == [{"protocol": "UDP", "port": 40000, "endPort": 40063}]
+    for docs in (cpu, gpu):
+        assert "/realtime@sha256:" in container(docs, "Deployment", "realtime")["image"]
+        assert "--webrtc-ports" not in container(docs, "Deployment", "realtime")["args"]
     for docs in rendered.values():
         # The liveness probes ask for the service Health serves for them.
         for kind, name in (("Deployment", "session"), ("StatefulSet", "worker")):
@@ -93,7 +102,7 @@ def test_release_mode_refuses_the_placeholder_images(rendered: dict[str, list[Do
     docs = copy.deepcopy(rendered["gpu"])
     container(docs)["image"] = "registry.corp/duplex/session@sha256:" + "ab" * 32
     container(docs, "StatefulSet", "worker")["image"] = "registry.corp/duplex/worker-cuda@sha256:" + "cd" * 32
-    container(docs, "Deployment", "realtime")["image"] = "registry.corp/duplex/session@sha256:" + "ab" * 32
+    container(docs, "Deployment", "realtime")["image"] = "registry.corp/duplex/realtime@sha256:" + "ef" * 32
     assert check.object_problems(docs, release=True) == []
 
 
@@ -316,6 +325,52 @@ def _service_target_typo(docs: list[Doc]) -> None:
     obj(docs, "Service", "duplex-session")["spec"]["ports"][0]["targetPort"] = "grcp"
 
 
+def _edge(docs: list[Doc]) -> Doc:
+    return container(docs, "Deployment", "realtime")
+
+
+def _edge_on_the_session_image(docs: list[Doc]) -> None:
+    _edge(docs)["image"] = container(docs)["image"]
+
+
+def _edge_command(docs: list[Doc]) -> None:
+    _edge(docs)["command"] = ["duplex", "realtime"]
+
+
+def _media_policy_range(docs: list[Doc]) -> None:
+    obj(docs, "NetworkPolicy", "realtime-media")["spec"]["ingress"][0]["ports"][0]["port"] = 40001
+
+
+def _no_media_policy(docs: list[Doc]) -> None:
+    docs.remove(obj(docs, "NetworkPolicy", "realtime-media"))
+
+
+def _media_range_to_the_session(docs: list[Doc]) -> None:
+    obj(docs, "NetworkPolicy", "realtime-media")["spec"]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"
+    ] = "session"
+
+
+def _more_calls_than_ports(docs: list[Doc]) -> None:
+    set_arg(_edge(docs), "--max-calls", "100")
+
+
+def _one_public_address(docs: list[Doc]) -> None:
+    _edge(docs)["args"] += ["--webrtc-public-address", "203.0.113.7"]
+
+
+def _address_not_the_pods(docs: list[Doc]) -> None:
+    _edge(docs)["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] = "status.hostIP"
+
+
+def _no_client_secret_keys(docs: list[Doc]) -> None:
+    drop_arg(_edge(docs), "--client-secret-keys")
+
+
+def _media_ports_typo(docs: list[Doc]) -> None:
+    set_arg(_edge(docs), "--webrtc-ports", "40000:40063")
+
+
 # (test id, overlay, mutation, a substring of the problem the check must report)
 MUTATIONS: list[tuple[str, str, Mutation, str]] = [
     (
@@ -384,6 +439,21 @@ MUTATIONS: list[tuple[str, str, Mutation, str]] = [
     ("dns-publishes-unready-workers", "cpu", _headless_publishes_unready, "publishes not-ready workers"),
     ("namespace-not-restricted", "gpu", _not_restricted, "restricted Pod Security Standard"),
     ("service-target-typo", "cpu", _service_target_typo, "targets 'grcp'"),
+    ("edge-on-the-session-image", "cpu", _edge_on_the_session_image, "is not the realtime image"),
+    ("edge-command", "gpu", _edge_command, "overrides the image's entry point"),
+    ("media-policy-range", "gpu-full", _media_policy_range, "UDP 40001-40063 is not"),
+    ("no-media-policy", "gpu-full", _no_media_policy, "no NetworkPolicy lets UDP 40000-40063"),
+    (
+        "media-range-to-the-session",
+        "gpu-full",
+        _media_range_to_the_session,
+        "to pods other than the Realtime",
+    ),
+    ("more-calls-than-ports", "gpu-full", _more_calls_than_ports, "--max-calls 100 exceeds the 64 media"),
+    ("one-public-address", "gpu-full", _one_public_address, "one address for every replica"),
+    ("address-not-the-pods", "gpu-full", _address_not_the_pods, "--webrtc-address is not the pod's IP"),
+    ("no-client-secret-keys", "gpu-full", _no_client_secret_keys, "no --client-secret-keys"),
+    ("media-ports-typo", "gpu-full", _media_ports_typo, "is not LOW-HIGH"),
 ]
 
 
@@ -465,6 +535,7 @@ def _problems(name: str, text: str) -> list[str]:
 
 def test_the_images_keep_their_promises() -> None:
     assert sorted(p.name for p in check.IMAGES.glob("*.Containerfile")) == [
+        "realtime.Containerfile",
         "session.Containerfile",
         "worker-cpu.Containerfile",
         "worker-cuda.Containerfile",
@@ -480,14 +551,26 @@ def test_the_session_image_installs_no_torch() -> None:
     installed = check.install_set(targets, PYPROJECT)
     assert "duplex-serving" in installed and "grpcio" in installed
     assert not installed & {"torch", "silero-vad"}
+    assert "aiortc" not in check.install_set(
+        [t for c in check.pip_calls(stages[-1]) for t in c.targets], PYPROJECT
+    )
     for name in ("worker-cpu.Containerfile", "worker-cuda.Containerfile"):
         final = check.parse_containerfile(_containerfile(name))[-1]
         targets = [t for c in check.pip_calls(final) for t in c.targets]
         assert {"torch", "silero-vad"} <= check.install_set(targets, PYPROJECT)
+    # The edge's image: the session image's install with the webrtc extra, no torch either.
+    final = check.parse_containerfile(_containerfile("realtime.Containerfile"))[-1]
+    installed = check.install_set([t for c in check.pip_calls(final) for t in c.targets], PYPROJECT)
+    assert {"duplex-serving", "aiortc", "aiohttp"} <= installed and not installed & {"torch", "silero-vad"}
 
 
 def test_each_image_runs_a_duplex_subcommand_as_a_non_root_user() -> None:
-    for name, sub in (("session", "session"), ("worker-cpu", "worker"), ("worker-cuda", "worker")):
+    for name, sub in (
+        ("session", "session"),
+        ("realtime", "realtime"),
+        ("worker-cpu", "worker"),
+        ("worker-cuda", "worker"),
+    ):
         final = check.parse_containerfile(_containerfile(f"{name}.Containerfile"))[-1]
         entry = [i.value for i in final.instructions if i.keyword == "ENTRYPOINT"][-1]
         assert yaml.safe_load(entry) == ["duplex", sub] and sub in SUBCOMMANDS
@@ -554,6 +637,18 @@ IMAGE_MUTATIONS = [
         "torch is not pinned",
     ),
     ("single-stage", "session", ("FROM ${PYTHON_IMAGE}\nENV", "ENV"), "not multi-stage"),
+    (
+        "realtime-without-webrtc",
+        "realtime",
+        ("'duplex-serving[webrtc]'", "duplex-serving"),
+        "does not install aiortc",
+    ),
+    (
+        "realtime-with-torch",
+        "realtime",
+        ("'duplex-serving[webrtc]'", "'duplex-serving[webrtc,worker]'"),
+        "the realtime image installs ['silero-vad', 'torch']",
+    ),
 ]
 
 
@@ -570,6 +665,14 @@ def test_the_image_check_fails_on_a_broken_containerfile(
     assert old in text, old
     problems = _problems(name, text.replace(old, new))
     assert any(expected in p for p in problems), problems
+
+
+def test_the_session_and_realtime_images_share_their_builder(tmp_path: Path) -> None:
+    session, realtime = (check.IMAGES / f"{n}.Containerfile" for n in ("session", "realtime"))
+    assert check.same_builder_problems(session, realtime) == []
+    drifted = tmp_path / "realtime.Containerfile"
+    drifted.write_text(realtime.read_text().replace("'.[webrtc]'", "'.[webrtc,dev]'"))
+    assert "builder stages differ" in check.same_builder_problems(session, drifted)[0]
 
 
 # -- Prometheus -----------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ def _matches(action: argparse.Action, cell: str) -> bool:
     if cell == "off":
         return isinstance(action, argparse._StoreTrueAction) and default is False
     if cell == "none":
-        return default is None or default == ""
+        return default is None or default == "" or default == []  # [] : a flag given again and again
     literal = re.fullmatch(r"`([^`]*)`", cell)
     if literal is None:
         return False

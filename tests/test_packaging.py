@@ -125,6 +125,45 @@ def test_worker_without_torch_says_which_extra_to_install() -> None:
     assert proc.stdout == ""
 
 
+EDGE_WITHOUT_WEBRTC = """
+import asyncio, json, sys, urllib.request, urllib.error
+from realtime_service.server import EdgeConfig, EdgeServer
+from session_service.trust.auth import Authenticator
+
+async def main():
+    server = EdgeServer(EdgeConfig(listen_port=0), Authenticator())
+    await server.start()
+    url = f"http://127.0.0.1:{server.port}/v1/realtime/calls"
+    request = urllib.request.Request(url, data=b"v=0", headers={"Content-Type": "application/sdp"})
+    try:
+        await asyncio.to_thread(urllib.request.urlopen, request)
+    except urllib.error.HTTPError as err:
+        print(json.dumps({"status": err.code, "body": json.loads(err.read()), "calls": server.calls is None}))
+    await server.drain()
+asyncio.run(main())
+"""
+
+
+def test_the_realtime_edge_runs_without_the_webrtc_extra() -> None:
+    # Without aiortc (the webrtc extra) the edge serves WebSockets and the page; /calls says why not.
+    code = BLOCK_HOOK.replace(repr(BLOCKED), repr(("torch", "silero_vad", "aiortc", "av", "aioice")))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code + EDGE_WITHOUT_WEBRTC],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer["status"] == 501 and answer["calls"], answer
+    assert answer["body"]["error"]["code"] == "webrtc_unavailable"
+    assert "duplex-serving[webrtc]" in answer["body"]["error"]["message"]
+    assert "WebRTC is off" in proc.stderr
+
+
 def test_the_extra_check_passes_when_the_extra_is_installed() -> None:
     # The check must not refuse a machine that has the extra.
     pytest.importorskip("torch")
@@ -170,7 +209,7 @@ def test_make_setup_installs_the_pinned_cpu_torch_first() -> None:
     # the CPU build first, and the worker extra's range must accept it.
     makefile = (REPO / "Makefile").read_text()
     pins = re.findall(r"pip install -q torch==(\S+)", makefile)
-    editable = makefile.find("pip install -q -e '.[worker,dev,frameworks]'")
+    editable = makefile.find("pip install -q -e '.[worker,webrtc,dev,frameworks]'")
     assert len(pins) == 1 and editable != -1
     assert makefile.find(f"torch=={pins[0]}") < editable
     assert _torch_requirement().specifier.contains(pins[0])
