@@ -91,6 +91,9 @@ def session_config(session: dict[str, Any]) -> tuple[str, UpdateSession]:
     except RealtimeError as err:
         raise HttpError(HTTPStatus.BAD_REQUEST, err.code, err.message, param=err.param) from None
     assert isinstance(command, UpdateSession)
+    if command.problems:  # a session.update applies what it can; a config given up front is whole
+        err = command.problems[0]
+        raise HttpError(HTTPStatus.BAD_REQUEST, err.code, err.message, param=err.param)
     return model, command
 
 
