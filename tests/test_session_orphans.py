@@ -370,6 +370,10 @@ class _Runner:
     def on_worker_lost(self, link: object) -> None:
         pass
 
+    def holds(self, link: object) -> bool:
+        """One worker per session here (no later stages)."""
+        return self.link is link
+
 
 def test_reconciliation_keeps_exactly_what_is_held_on_the_link() -> None:
     link, other = _Link(attaching={"attaching"}), _Link()

@@ -23,6 +23,7 @@ from session_service.plugin import PluginLoadError, check_worker, split_sentence
 from session_service.plugins.cascade import CascadePlugin
 from session_service.plugins.parrot import ParrotPlugin
 from session_service.session.runner import RunnerDeps, SessionRunner, WorkerHandle
+from session_service.workers.step_routing import Router, SessionRegistry
 from tests.fakes import ManualClock
 from tests.session_helpers import FakeLink, drain, sample
 
@@ -519,3 +520,25 @@ def test_a_stage_worker_of_another_model_is_refused() -> None:
     with pytest.raises(PluginLoadError, match="stage 'tts' needs 'tts'") as err:
         check_worker(plugin, worker_pb2.WorkerDescription(model_id="parrot", frame_samples=512), tts)
     assert err.value.code == ErrorCode.MODEL_MISMATCH.value
+
+
+async def test_a_stage_worker_that_lists_the_session_keeps_it_and_one_it_left_releases_it() -> None:
+    class Listing(FakeLink):
+        def attaching(self, session_id: str) -> bool:
+            return False
+
+    responder, tts, old_tts = Listing(), Listing(), Listing()
+    r, _ = await staged(responders=[responder], ttss=[tts])
+    registry = SessionRegistry()
+    registry.add(r)
+    router = Router(registry)
+    try:
+        held = [Fence(SID, 1, 0).to_proto()]
+        # A new Run stream of a stage's worker lists what it holds for this replica.
+        assert router.reconcile(tts, held) == [] and tts.releases == []
+        assert router.reconcile(old_tts, held) == [SID] and len(old_tts.releases) == 1
+        # Its output is the session's; a worker the session left is not heard.
+        speak(r, old_tts, 1, 1)
+        assert drain(r) == []
+    finally:
+        await close(r)
