@@ -79,6 +79,10 @@ class ErrorCode(StrEnum):
     INPUT_ABANDONED = "input_abandoned"
     MODEL_ERROR = "model_error"
     UNSUPPORTED_BY_MODEL = "unsupported_by_model"
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UNKNOWN_CALL_ID = "unknown_call_id"
+    FUNCTION_CALL_ANSWERED = "function_call_answered"
+    FUNCTION_CALL_CANCELLED = "function_call_cancelled"
     INTERNAL = "internal"
 
 
@@ -103,6 +107,9 @@ class WorkerErrorCode(StrEnum):
     MODEL_ERROR = "model_error"
     # No room for the work: the request's input queue on the worker is full.
     CAPACITY = "capacity"
+    # A service the model calls (a chat stage's language model server) did not answer in time or
+    # at all; trying the turn again may succeed.
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
 
 
 class DuplexError(Exception):

@@ -195,9 +195,10 @@ def test_base_dependencies_leave_torch_to_the_worker_extra() -> None:
     assert {"grpcio", "protobuf", "numpy", "prometheus-client"} <= base
     # The models' own: torch, the parrot's VAD, the real needs of Kyutai's moshi (installed with
     # --no-deps by make setup: its metadata pins an older torch than it runs on), and the
-    # cascade's speech recognizer and synthesizer (their wheels ship their models and data).
+    # cascade's speech recognizer and synthesizer (their wheels ship their models and data), and
+    # the chat stage's client of a language model server.
     moshi_needs = {"safetensors", "huggingface-hub", "einops", "sentencepiece", "sphn", "tqdm"}
-    cascade = {"pocketsphinx", "espeakng-loader"}
+    cascade = {"pocketsphinx", "espeakng-loader", "openai"}
     assert {r.name.lower() for r in worker} == {"torch", "silero-vad", *moshi_needs, *cascade}
     assert "pip install -q --no-deps moshi==$(MOSHI_VERSION)" in (REPO / "Makefile").read_text()
     torch = _torch_requirement()

@@ -23,9 +23,12 @@ from duplex.tls import ServerTLS
 from worker_service.config import (
     CLOCKS,
     DEFAULT_ATTACH_LEASE_S,
+    DEFAULT_LLM_CONCURRENCY,
+    DEFAULT_LLM_TIMEOUT_S,
     DEFAULT_MAX_CLOSED_SESSIONS,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_TOMBSTONE_TTL_S,
+    LLM_KEY_ENV,
     WorkerConfig,
 )
 from worker_service.models import MODELS
@@ -190,6 +193,37 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the LM's dtype (auto: float32 on a CPU, bfloat16 on a GPU)",
     )
+    chat = p.add_argument_group(
+        "chat model",
+        "a chat stage (--model chat): a language model on any OpenAI-compatible chat server "
+        "(vLLM, SGLang, ...), streamed over /v1/chat/completions. The API key is read from "
+        f"--llm-key-file, else from the environment variable {LLM_KEY_ENV} (never a flag value: "
+        "process lists show those); neither: no key",
+    )
+    chat.add_argument(
+        "--llm-url",
+        default=None,
+        metavar="URL",
+        help="the server's API base URL, e.g. http://127.0.0.1:8000/v1",
+    )
+    chat.add_argument("--llm-model", default=None, metavar="NAME", help="the model the server serves")
+    chat.add_argument(
+        "--llm-key-file", default=None, metavar="PATH", help="a file whose first line is the server's API key"
+    )
+    chat.add_argument(
+        "--llm-timeout-s",
+        type=float,
+        default=DEFAULT_LLM_TIMEOUT_S,
+        help="the longest the server may take to answer, and then to send each next piece; also the "
+        "longest a request waits for a free slot (past it the turn fails upstream_unavailable, "
+        "retryable; default: %(default)s)",
+    )
+    chat.add_argument(
+        "--llm-concurrency",
+        type=int,
+        default=DEFAULT_LLM_CONCURRENCY,
+        help="requests this worker streams from the server at once (default: %(default)s)",
+    )
     synth = p.add_argument_group("synthetic model")
     synth.add_argument("--hidden-size", type=int, default=None)
     synth.add_argument("--layers", type=int, default=None)
@@ -241,8 +275,21 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             moshi["top_k"] = args.top_k
     elif args.checkpoint or args.temperature is not None or args.top_k is not None or args.dtype != "auto":
         raise ValueError("--checkpoint, --temperature, --top-k and --dtype are options of --model moshi")
+    chat_flags = args.llm_url is not None or args.llm_model is not None or args.llm_key_file is not None
+    if args.model != "chat" and chat_flags:
+        raise ValueError("--llm-url, --llm-model and --llm-key-file are options of --model chat")
     if args.model == "moshi":
         options: dict[str, object] = moshi
+    elif args.model == "chat":
+        if not args.llm_url or not args.llm_model:
+            raise ValueError("--model chat needs --llm-url URL and --llm-model NAME")
+        options = {
+            "url": args.llm_url,
+            "model": args.llm_model,
+            "api_key_file": args.llm_key_file or "",
+            "timeout_s": args.llm_timeout_s,
+            "concurrency": args.llm_concurrency,
+        }
     elif args.model == "parrot":
         keys = {
             "silence_ms": args.silence_ms,

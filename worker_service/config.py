@@ -27,6 +27,13 @@ DEFAULT_MAX_SESSIONS = 1024
 #: How long an attached session may wait for its first submission when its owner has no Run stream.
 DEFAULT_ATTACH_LEASE_S = 30.0
 
+#: A chat stage (``--model chat``): where its language model server's API key is read from when
+#: no ``--llm-key-file`` is given, how long the server may take (``--llm-timeout-s``) and how many
+#: requests one worker streams at once (``--llm-concurrency``).
+LLM_KEY_ENV: Final = "DUPLEX_LLM_API_KEY"
+DEFAULT_LLM_TIMEOUT_S: Final = 30.0
+DEFAULT_LLM_CONCURRENCY: Final = 16
+
 
 def _worker_id() -> str:
     return "worker-" + uuid.uuid4().hex[:8]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from duplex.errors import ErrorCode, InternalError
 from duplex.fence import Fence
 from duplex.v1 import common_pb2, worker_pb2
-from worker_service.model import FloatArray
+from worker_service.model import FloatArray, ToolCallPiece
 
 APPEND = worker_pb2.SUBMISSION_KIND_APPEND
 COMMIT = worker_pb2.SUBMISSION_KIND_COMMIT
@@ -145,6 +145,7 @@ class Update:
     error: tuple[str, str] | None = None
     user_text: str = ""
     user_transcript: str | None = None
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
 
 
 @dataclass(slots=True)

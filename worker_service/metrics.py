@@ -115,6 +115,27 @@ ENGINE_FAILURES: Final = Counter(
     "duplex_worker_engine_failures", "Fatal engine errors (the worker stops serving)."
 )
 
+LLM_REQUESTS: Final = Counter(
+    "duplex_worker_llm_requests",
+    "Chat completions a chat stage (--model chat) asked of its language model server, by how "
+    "they ended: completed, cancelled (the reply was cancelled: a barge-in), timeout (no answer "
+    "or no next piece within --llm-timeout-s, or no free request slot), unavailable (the server "
+    "could not be reached, or answered 429 or 5xx), refused (it answered another 4xx) or failed "
+    "(an answer that could not be read). timeout and unavailable fail the turn with "
+    "upstream_unavailable (retryable).",
+    ["result"],
+)
+LLM_IN_FLIGHT: Final = Gauge(
+    "duplex_worker_llm_requests_in_flight",
+    "Chat completions streaming from the language model server now (at most --llm-concurrency).",
+)
+LLM_FIRST_TOKEN: Final = Histogram(
+    "duplex_worker_llm_first_token_seconds",
+    "From a chat stage's request to the first piece of the model's answer (text or a tool call).",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+LLM_RESULTS: Final = ("completed", "cancelled", "timeout", "unavailable", "refused", "failed")
+
 FENCE_REASONS: Final = (
     "stale_epoch",
     "not_owner",
@@ -135,5 +156,7 @@ for _k in SUBMISSION_KINDS:
     SUBMISSIONS.labels(kind=_k)
 for _q in ("input", "output"):
     QUEUE_DEPTH.labels(queue=_q)
+for _r in LLM_RESULTS:
+    LLM_REQUESTS.labels(result=_r)
 for _r in ("max_sessions", "real_time"):
     SESSIONS_REFUSED.labels(reason=_r)

@@ -69,6 +69,19 @@ class ModelError(DuplexError):
         super().__init__(ErrorCode.MODEL_ERROR, message)
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallPiece:
+    """A piece of a tool call a model makes (``worker_pb2.ToolCallNews``)."""
+
+    call_id: str
+    name: str = ""
+    """The tool (in the call's first piece)."""
+    arguments: str = ""
+    """The next piece of its arguments (JSON text)."""
+    done: bool = False
+    """The call's arguments are complete."""
+
+
 @dataclass(slots=True)
 class RequestNews:
     """What one request produced in one step besides audio (all optional)."""
@@ -87,6 +100,11 @@ class RequestNews:
     """The last reply frame is in this step."""
     error: str | None = None
     """A per-request model failure: the request gets a ``model_error`` update, the batch goes on."""
+    error_code: str = ""
+    """With ``error``: ``upstream_unavailable`` when a service the model calls failed it (the
+    update then carries that code and ``error`` as its message); else ``model_error``."""
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
+    """Pieces of tool calls the model made this step, in order (a chat stage)."""
     user_text: str = ""
     """A speech recognizer's words of the user heard this step (the next piece of the turn's)."""
     user_transcript: str | None = None

@@ -128,6 +128,8 @@ def _update(ru: worker_pb2.RequestUpdate, upd: Update, input_seq: int) -> None:
         ru.user_text = upd.user_text
     if upd.user_transcript is not None:
         ru.user_transcript = upd.user_transcript
+    for call in upd.tool_calls:
+        ru.tool_calls.add(call_id=call.call_id, name=call.name, arguments=call.arguments, done=call.done)
 
 
 def held_proto(fences: FenceTable, owner: str, item: OwnerStep) -> worker_pb2.StepOutput | None:

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from duplex.errors import DuplexError, ErrorCode
+from duplex.errors import DuplexError, ErrorCode, WorkerErrorCode
 from duplex.fence import Fence
 from duplex.sparse import InvalidSparseDeclaration, record_fail_closed, typed_audio_payloads
 from duplex.v1 import worker_pb2
@@ -86,13 +86,10 @@ def collect_news(
         if n is not None and n.error is not None:
             logger.warning("model error on a request: %s", n.error)
             out.input_seq.append(0)  # set alone: the input is reported once the request goes on
-            out.updates.append(
-                Update(
-                    req.request_id,
-                    fence,
-                    error=(ErrorCode.MODEL_ERROR.value, "the model failed on this request"),
-                )
-            )
+            error = (ErrorCode.MODEL_ERROR.value, "the model failed on this request")
+            if n.error_code == WorkerErrorCode.UPSTREAM_UNAVAILABLE:
+                error = (n.error_code, n.error)  # the model's own words: no detail of the failure
+            out.updates.append(Update(req.request_id, fence, error=error))
             if req.reply_fence is not None:
                 model.cancel_response(req.state)
             continue
@@ -114,6 +111,7 @@ def collect_news(
                     response_finished=n.response_finished,
                     user_text=n.user_text,
                     user_transcript=n.user_transcript,
+                    tool_calls=n.tool_calls,
                 )
             )
 

@@ -631,7 +631,12 @@ Global___PlaybackAck: _TypeAlias = PlaybackAck  # noqa: Y015
 
 @_typing.final
 class FunctionCallOutput(_message.Message):
-    """The result of a function call the model asked for."""
+    """The result of a function call the model asked for (`function_call`). It
+    goes into the conversation the model sees; `response_create` then asks the
+    model to go on from it (no new input needed). An unknown call is refused
+    with `unknown_call_id`, a second answer with `function_call_answered`, one
+    for a call cancelled by a barge-in with `function_call_cancelled`.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -763,6 +768,7 @@ class Capabilities(_message.Message):
     MODEL_BARGE_IN_FIELD_NUMBER: _builtins.int
     FRAME_PERIOD_MS_FIELD_NUMBER: _builtins.int
     INPUT_TRANSCRIPTION_FIELD_NUMBER: _builtins.int
+    FUNCTION_CALLING_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The plugin id, e.g. "parrot"."""
     max_sessions: _builtins.int
@@ -798,6 +804,13 @@ class Capabilities(_message.Message):
     `transcript_delta{role="user"}` while they speak and whole in
     `input_transcribed` after each committed turn.
     """
+    function_calling: _builtins.bool
+    """Whether the model calls the client's tools: tools declared in
+    `extra_body.tools` (and `tool_choice`) are offered to it, its calls come as
+    `function_call_delta` and `function_call`, and the client answers each
+    with `function_call_output` (then `response_create` for the model to go
+    on). See docs/grpc-guide.md, "Tools and history".
+    """
     @_builtins.property
     def input_formats(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AudioFormat]:
         """Input formats the session accepts."""
@@ -826,10 +839,11 @@ class Capabilities(_message.Message):
         model_barge_in: _builtins.bool = ...,
         frame_period_ms: _builtins.int = ...,
         input_transcription: _builtins.bool = ...,
+        function_calling: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["output_format", b"output_format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_period_ms", b"frame_period_ms", "input_formats", b"input_formats", "input_transcription", b"input_transcription", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "model_barge_in", b"model_barge_in", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection", "turn_failover", b"turn_failover", "turn_policy", b"turn_policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_period_ms", b"frame_period_ms", "function_calling", b"function_calling", "input_formats", b"input_formats", "input_transcription", b"input_transcription", "max_append_bytes", b"max_append_bytes", "max_sessions", b"max_sessions", "modalities", b"modalities", "model", b"model", "model_barge_in", b"model_barge_in", "output_format", b"output_format", "resume_scope", b"resume_scope", "turn_detection", b"turn_detection", "turn_failover", b"turn_failover", "turn_policy", b"turn_policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1408,6 +1422,82 @@ class Error(_message.Message):
 Global___Error: _TypeAlias = Error  # noqa: Y015
 
 @_typing.final
+class FunctionCallDelta(_message.Message):
+    """A piece of a tool call the model is writing (a model with
+    `capabilities.function_calling`): the pieces of one call share its
+    `call_id`; `function_call` follows with the whole call.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    """The response making the call."""
+    call_id: _builtins.str
+    """The call's id (what `function_call_output.call_id` answers)."""
+    name: _builtins.str
+    """The tool called."""
+    delta: _builtins.str
+    """The next piece of the call's arguments (JSON text)."""
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        delta: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "delta", b"delta", "name", b"name", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FunctionCallDelta: _TypeAlias = FunctionCallDelta  # noqa: Y015
+
+@_typing.final
+class FunctionCall(_message.Message):
+    """The model calls one of the client's tools: run it and answer with
+    `function_call_output{call_id}`, then `response_create` for the model to go
+    on. A call whose response was cancelled (a barge-in) before it was answered
+    is answered for the client ("cancelled"): a later output for it is refused
+    (`function_call_cancelled`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    """The response making the call."""
+    call_id: _builtins.str
+    """The call's id."""
+    name: _builtins.str
+    """The tool called."""
+    arguments: _builtins.str
+    """Its arguments (JSON text, as the model wrote them)."""
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "name", b"name", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FunctionCall: _TypeAlias = FunctionCall  # noqa: Y015
+
+@_typing.final
 class SessionClosed(_message.Message):
     """The session ended; the stream ends after this event."""
 
@@ -1458,6 +1548,8 @@ class ServerEvent(_message.Message):
     CLOSED_FIELD_NUMBER: _builtins.int
     CONTEXT_RESET_FIELD_NUMBER: _builtins.int
     INPUT_TRANSCRIBED_FIELD_NUMBER: _builtins.int
+    FUNCTION_CALL_DELTA_FIELD_NUMBER: _builtins.int
+    FUNCTION_CALL_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     """Server-assigned id, unique within the session."""
     @_builtins.property
@@ -1505,6 +1597,10 @@ class ServerEvent(_message.Message):
     def context_reset(self) -> Global___ContextReset: ...
     @_builtins.property
     def input_transcribed(self) -> Global___InputTranscribed: ...
+    @_builtins.property
+    def function_call_delta(self) -> Global___FunctionCallDelta: ...
+    @_builtins.property
+    def function_call(self) -> Global___FunctionCall: ...
     def __init__(
         self,
         *,
@@ -1528,12 +1624,14 @@ class ServerEvent(_message.Message):
         closed: Global___SessionClosed | None = ...,
         context_reset: Global___ContextReset | None = ...,
         input_transcribed: Global___InputTranscribed | None = ...,
+        function_call_delta: Global___FunctionCallDelta | None = ...,
+        function_call: Global___FunctionCall | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "go_away", b"go_away", "input_ack", b"input_ack", "input_transcribed", b"input_transcribed", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "function_call", b"function_call", "function_call_delta", b"function_call_delta", "go_away", b"go_away", "input_ack", b"input_ack", "input_transcribed", b"input_transcribed", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "event_id", b"event_id", "go_away", b"go_away", "input_ack", b"input_ack", "input_transcribed", b"input_transcribed", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_cancelled", b"audio_cancelled", "audio_delta", b"audio_delta", "carried_ack", b"carried_ack", "cleared", b"cleared", "closed", b"closed", "committed", b"committed", "context_reset", b"context_reset", "error", b"error", "event", b"event", "event_id", b"event_id", "function_call", b"function_call", "function_call_delta", b"function_call_delta", "go_away", b"go_away", "input_ack", b"input_ack", "input_transcribed", b"input_transcribed", "opened", b"opened", "response_done", b"response_done", "response_started", b"response_started", "speech_started", b"speech_started", "speech_stopped", b"speech_stopped", "text_delta", b"text_delta", "transcript_delta", b"transcript_delta", "updated", b"updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "updated", "input_ack", "committed", "cleared", "speech_started", "speech_stopped", "response_started", "audio_delta", "text_delta", "transcript_delta", "audio_cancelled", "response_done", "go_away", "error", "closed", "context_reset", "input_transcribed"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "updated", "input_ack", "committed", "cleared", "speech_started", "speech_stopped", "response_started", "audio_delta", "text_delta", "transcript_delta", "audio_cancelled", "response_done", "go_away", "error", "closed", "context_reset", "input_transcribed", "function_call_delta", "function_call"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

@@ -689,7 +689,9 @@ class WorkerError(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     code: _builtins.str
     """Stable code: "stale_epoch", "not_owner", "unknown_session",
-    "bad_submission", "no_committed_input", "model_error", "capacity".
+    "bad_submission", "no_committed_input", "model_error", "capacity",
+    "upstream_unavailable" (a service the model calls, such as a chat stage's
+    language model server, did not answer in time or at all: retryable).
     """
     message: _builtins.str
     """Human-readable explanation."""
@@ -725,6 +727,7 @@ class RequestUpdate(_message.Message):
     COMMITTED_SAMPLES_FIELD_NUMBER: _builtins.int
     USER_TEXT_FIELD_NUMBER: _builtins.int
     USER_TRANSCRIPT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     text: _builtins.str
@@ -762,6 +765,12 @@ class RequestUpdate(_message.Message):
     def error(self) -> Global___WorkerError:
         """Something went wrong for this request; set alone."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallNews]:
+        """Tool calls the model makes in the response for fence.turn_id (a chat
+        stage), in pieces as they are written, in order.
+        """
+
     def __init__(
         self,
         *,
@@ -777,16 +786,54 @@ class RequestUpdate(_message.Message):
         committed_samples: _builtins.int = ...,
         user_text: _builtins.str = ...,
         user_transcript: _builtins.str | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCallNews] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_user_transcript", b"_user_transcript", "error", b"error", "fence", b"fence", "user_transcript", b"user_transcript"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_user_transcript", b"_user_transcript", "committed_samples", b"committed_samples", "error", b"error", "fence", b"fence", "input_seq", b"input_seq", "request_id", b"request_id", "response_finished", b"response_finished", "response_started", b"response_started", "text", b"text", "turn_ended", b"turn_ended", "user_text", b"user_text", "user_transcript", b"user_transcript", "vad", b"vad"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_user_transcript", b"_user_transcript", "committed_samples", b"committed_samples", "error", b"error", "fence", b"fence", "input_seq", b"input_seq", "request_id", b"request_id", "response_finished", b"response_finished", "response_started", b"response_started", "text", b"text", "tool_calls", b"tool_calls", "turn_ended", b"turn_ended", "user_text", b"user_text", "user_transcript", b"user_transcript", "vad", b"vad"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__user_transcript: _TypeAlias = _typing.Literal["user_transcript"]  # noqa: Y015
     _WhichOneofArgType__user_transcript: _TypeAlias = _typing.Literal["_user_transcript", b"_user_transcript"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__user_transcript) -> _WhichOneofReturnType__user_transcript | None: ...
 
 Global___RequestUpdate: _TypeAlias = RequestUpdate  # noqa: Y015
+
+@_typing.final
+class ToolCallNews(_message.Message):
+    """A piece of a tool (function) call a model makes: the pieces of one call
+    share its `call_id`; the first names the tool, each adds to its arguments,
+    the last is `done`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.str
+    """The call's id, as the model gave it (unique within the response)."""
+    name: _builtins.str
+    """The tool called (in the call's first piece)."""
+    arguments: _builtins.str
+    """The next piece of the call's arguments (JSON text, whole once `done`)."""
+    done: _builtins.bool
+    """The call's arguments are complete."""
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+        done: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "done", b"done", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallNews: _TypeAlias = ToolCallNews  # noqa: Y015
 
 @_typing.final
 class StepOutput(_message.Message):

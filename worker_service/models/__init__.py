@@ -55,6 +55,12 @@ def _responder(device: torch.device, options: Mapping[str, object]) -> StepModel
     return ResponderModel(device, **options)  # type: ignore[arg-type]  # the model checks them
 
 
+def _chat(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
+    from worker_service.models.chat import ChatModel
+
+    return ChatModel(device, **options)  # type: ignore[arg-type]  # the model checks them
+
+
 def _tts(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
     from worker_service.models.tts import TtsModel
 
@@ -63,6 +69,7 @@ def _tts(device: torch.device, options: Mapping[str, object]) -> StepModel[Any]:
 
 MODELS: dict[str, ModelFactory] = {
     "asr": _asr,
+    "chat": _chat,
     "moshi": _moshi,
     "responder": _responder,
     "tts": _tts,
