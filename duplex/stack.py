@@ -49,6 +49,7 @@ PLUGINS = {
 #: ``--stage-workers STAGE=...``; each stage is named after its model).
 PIPELINES = {
     "cascade": ("session_service.plugins.cascade:CascadePlugin", ("asr", "responder", "tts")),
+    "chat": ("session_service.plugins.chat:ChatPlugin", ("asr", "chat", "tts")),
 }
 DEFAULT_SESSION_PORT = 50051
 _PR_SET_PDEATHSIG = 1
@@ -135,6 +136,9 @@ class LocalStack:
     """With ``pipeline``: workers of a stage other than ``workers``, by stage."""
     device: str = "cpu"
     worker_args: list[str] = field(default_factory=list)
+    stage_args: dict[str, list[str]] = field(default_factory=dict)
+    """With ``pipeline``: more arguments for the workers of a stage, by stage (the chat stage's
+    ``--llm-url`` and ``--llm-model``)."""
     session_args: list[str] = field(default_factory=list)
     realtime_port: int | None = None
     """Also start the Realtime edge (``duplex realtime``) on this port (0 = any free one)."""
@@ -256,6 +260,7 @@ class LocalStack:
                             "--worker-id",
                             f"local-{prefix}{i}",
                             *self.worker_args,
+                            *self.stage_args.get(model, []),
                         ],
                     )
             self._await_listening(self.worker_children, deadline)
@@ -450,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(PIPELINES),
         default=None,
         help="serve a model in stages instead, --workers workers of each stage (cascade: speech "
-        "recognition -> responder -> speech synthesis, each on its own workers)",
+        "recognition -> responder -> speech synthesis, each on its own workers; chat: the same with "
+        "a language model in the middle, see --llm-url)",
     )
     p.add_argument("--device", default="cpu", help="worker device (default: %(default)s)")
     moshi = p.add_argument_group("moshi model (--model moshi; see duplex worker --help)")
@@ -463,6 +469,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="each worker's sessions (moshi: slots)",
+    )
+    chat = p.add_argument_group(
+        "chat pipeline (--pipeline chat; see duplex worker --help)",
+        "its chat workers' language model: any OpenAI-compatible chat server. The API key comes "
+        "from --llm-key-file or the environment variable DUPLEX_LLM_API_KEY",
+    )
+    chat.add_argument("--llm-url", default=None, metavar="URL", help="the server's API base URL")
+    chat.add_argument("--llm-model", default=None, metavar="NAME", help="the model it serves")
+    chat.add_argument("--llm-key-file", default=None, metavar="PATH", help="a file holding the API key")
+    chat.add_argument(
+        "--llm-timeout-s", type=float, default=None, metavar="S", help="the workers' --llm-timeout-s"
     )
     p.add_argument(
         "--json",
@@ -518,6 +535,20 @@ def main(argv: list[str] | None = None) -> int:
     stack.plugin = args.plugin or PLUGINS.get(args.model, DEFAULT_PLUGIN)
     if args.pipeline is not None and args.plugin is not None:
         print("duplex up: --pipeline brings its own plugin: leave out --plugin", file=sys.stderr)
+        return 2
+    llm = (
+        ("--llm-url", args.llm_url),
+        ("--llm-model", args.llm_model),
+        ("--llm-key-file", args.llm_key_file),
+        ("--llm-timeout-s", args.llm_timeout_s),
+    )
+    if args.pipeline == "chat":
+        if not args.llm_url or not args.llm_model:
+            print("duplex up: --pipeline chat needs --llm-url URL and --llm-model NAME", file=sys.stderr)
+            return 2
+        stack.stage_args = {"chat": [a for flag, v in llm if v is not None for a in (flag, str(v))]}
+    elif any(v is not None for _, v in llm):
+        print("duplex up: --llm-* flags are for --pipeline chat", file=sys.stderr)
         return 2
     for flag, value in (
         ("--checkpoint", args.checkpoint),

@@ -20,6 +20,7 @@ from session_service.plugin._types import (
     OutputDecision,
     SessionSettings,
 )
+from session_service.session.history import ChatHistory, HistoryPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,9 @@ class DuplexModelPlugin(ABC):
     """The model served in stages, in order (``session_service.plugin._stages``); empty: one
     worker model (``model_id``). The first is ``model_id``'s, fed the session's input; each
     later one is placed on its own pool of workers. ``sampling_defaults`` has one per stage."""
+    instructions_anytime: bool = False
+    """The model reads the instructions afresh for each reply (a chat stage is sent the whole
+    conversation every turn): they may change at any time, not only before the first response."""
     replay_window_s: float = 15.0
     """How much input the model's state depends on (the parrot keeps at most 15 s of utterance):
     the session keeps at most this much of the committed input a response answers and as much
@@ -252,6 +256,31 @@ class DuplexModelPlugin(ABC):
         it is there; the first reply audio waits for one sentence, not for the whole reply)."""
         del stage
         return split_sentences(text, final)
+
+    def history_policy(self, runtime_config: Mapping[str, object]) -> HistoryPolicy | None:
+        """Whether the session keeps the conversation for the model, and how much of it
+        (``session_service.session.history``): a model that reads the whole conversation every
+        turn (a chat stage) returns a policy; None (the default): no history is kept."""
+        del runtime_config
+        return None
+
+    def stage_input(
+        self,
+        stage: Stage,
+        *,
+        transcript: str | None,
+        history: ChatHistory | None,
+        settings: SessionSettings,
+        runtime_config: Mapping[str, object],
+    ) -> list[str] | None:
+        """What the second stage is given for a reply, in TEXT pieces (each at most 4096
+        characters, the worker's bound): the committed turn's ``transcript`` by default. With a
+        ``history_policy``, ``history`` holds the conversation with the turn's words already in
+        it (``transcript`` is None for a reply to a tool's result: ``response_create`` after
+        ``function_call_output``). None: there is nothing to answer (no words were heard), and
+        the reply ends at once with nothing said."""
+        del stage, history, settings, runtime_config
+        return [transcript or ""]
 
     def draining_stages(self, runtime_config: Mapping[str, object]) -> frozenset[str]:
         """Stages whose reply may go on while the user's next turn starts (the contract's

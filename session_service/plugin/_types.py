@@ -41,6 +41,9 @@ class Capabilities:
     input_transcription: bool = False
     """The model recognizes the user's words (``transcript_delta{role="user"}``,
     ``input_transcribed``)."""
+    function_calling: bool = False
+    """The model calls the client's tools (``extra_body.tools``): ``function_call`` events, answered
+    with ``function_call_output``."""
 
     def turn_policy(self, *, auto_respond: bool) -> session_pb2.TurnPolicy.ValueType:
         """The policy of a session with these capabilities and its ``auto_respond`` setting."""
@@ -65,6 +68,7 @@ class Capabilities:
             model_barge_in=self.model_native,
             frame_period_ms=self.frame_period_ms,
             input_transcription=self.input_transcription,
+            function_calling=self.function_calling,
         )
 
 

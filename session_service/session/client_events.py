@@ -462,7 +462,11 @@ class ClientEvents(Failover):
         extra = struct_to_dict(up.extra_body)
         self._check_model_key(extra)
         new = settings_from_proto(up.config, self.settings, require_input=False, capabilities=self._caps)
-        if new.instructions != self.settings.instructions and self.state.context_locked:
+        if (
+            new.instructions != self.settings.instructions
+            and self.state.context_locked
+            and not self._plugin.instructions_anytime
+        ):
             raise BadEventError(
                 ErrorCode.CONTEXT_LOCKED, "instructions cannot change after the first response"
             )

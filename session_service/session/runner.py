@@ -9,6 +9,7 @@
 - ``silence`` (``SilenceFeeding``): real-time silence for a model clocked by its input.
 - ``staging`` (``Staging``): a plugin's later stages (``stages``: their workers, each reply's
   hand-offs).
+- ``conversing`` (``Conversing``): the conversation a chat stage sees (``history``).
 - here: the mailbox, the deadlines and dispatch (one asyncio task consumes the mailbox, one
   watches the deadlines), response start, worker output.
 
@@ -41,6 +42,7 @@ from session_service.config import RunnerConfig
 from session_service.metrics import DROPPED
 from session_service.plugin import Capabilities, DuplexModelPlugin, SessionSettings
 from session_service.session.answer_order import AnswerOrder
+from session_service.session.conversing import Conversing
 from session_service.session.failover import RECOVER_DELAYS_S, REPLAY_APPEND_FRAMES
 from session_service.session.lifecycle import ENDED_FOR_GOOD, CloseReason, DropReason, SessionStatus
 from session_service.session.mailbox import Mailbox
@@ -48,7 +50,7 @@ from session_service.session.pacing import OutputPacing
 from session_service.session.response import ActiveResponse, SilenceFeeder
 from session_service.session.silence import SilenceRequest
 from session_service.session.stages import StagePipeline
-from session_service.session.staging import PlaceStages, Staging
+from session_service.session.staging import PlaceStages
 from session_service.session.state import FAILED, Restart
 from session_service.session.worker_handle import Placer, WorkerHandle
 from session_service.session.worker_output import StepFence, WorkerOutput
@@ -117,7 +119,7 @@ class RunnerDeps:
     ``response_done`` carry one, so a client always holds one that knows its last response)."""
 
 
-class SessionRunner(Staging):
+class SessionRunner(Conversing):
     """Owns one session: the asyncio shell (mailbox, deadlines, dispatch) over its layers."""
 
     def __init__(
@@ -177,9 +179,14 @@ class SessionRunner(Staging):
         self._native_feeder: SilenceFeeder | None = None
         """A model-native session's silence feeder (it hears every frame)."""
         pacing = OutputPacing(late_s=self._frame_period)
-        self.outbound.on_audio = lambda delta: pacing.taken(
-            delta, self.settings.output_format.duration_ms(len(delta.pcm)) / 1000.0, self._clock.now()
-        )
+
+        def audio_out(delta: session_pb2.AudioDelta) -> None:
+            pacing.taken(
+                delta, self.settings.output_format.duration_ms(len(delta.pcm)) / 1000.0, self._clock.now()
+            )
+            self._audio_out(delta)
+
+        self.outbound.on_audio = audio_out
 
     # ---- lifecycle -------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from session_service.metrics import DROPPED, STAGE_FAILOVERS, STAGE_LATENCY
 from session_service.plugin import DuplexModelPlugin, Stage
 from session_service.session.lifecycle import DropReason
 from session_service.session.state import FAILED
+from session_service.session.tool_calls import ReplyCalls, ToolCallError
 from session_service.session.worker_handle import Placer, WorkerHandle
 from session_service.session.worker_output import StepFence, client_code
 
@@ -117,6 +118,11 @@ class StagePipeline:
         """The response the stages' parts are of (it may have ended since)."""
         self._waiting = False
         """The response waits for its turn's transcript."""
+        self.continuation = False
+        """The next response answers a tool's result, not a turn (``response_create`` after
+        ``function_call_output``): its input is built at once."""
+        self._calls = ReplyCalls("")
+        """The reply's tool calls (the text stage's)."""
 
     # ---- where the stages' workers are ----------------------------------------------------------
 
@@ -168,6 +174,16 @@ class StagePipeline:
             # there, and a reply running under the old epoch cannot go on.
             s.cancel("worker_moved", to=granted)
             return
+        if self._live() and b.sent >= 0 and self._calls.count and b.index < len(self._plugin.stages) - 1:
+            # Its tool calls went out to the client: a re-run would call (or word it) otherwise.
+            STAGE_FAILOVERS.labels(stage=b.stage.name, result="unavailable").inc()
+            s.finish_response(FAILED, ErrorCode.WORKER_UNAVAILABLE.value)
+            s._error(
+                UnavailableError(
+                    ErrorCode.WORKER_UNAVAILABLE, "the reply's tool calls were lost with its worker"
+                )
+            )
+            return
         if self._live() and b.sent >= 0:
             STAGE_FAILOVERS.labels(stage=b.stage.name, result="redone").inc()
             b.sent, b.final_sent, b.checked = -1, False, 0
@@ -215,8 +231,13 @@ class StagePipeline:
         """A response began: the stages' parts start over for it; the second stage gets the turn's
         transcript as soon as it is there."""
         self._resp = resp
+        self._calls = ReplyCalls(resp.response_id)
         for b in self.bindings:
             b.reset()
+        if self.continuation:  # a reply to a tool's result: no turn to wait for
+            self.continuation = self._waiting = False
+            self._hand_input(None)
+            return
         self._waiting = True
         if self.transcript is not None:
             self.transcribed()
@@ -227,8 +248,27 @@ class StagePipeline:
             return
         self._waiting = False
         text, self.transcript = self.transcript or "", None
+        self._hand_input(text)
+
+    def _hand_input(self, transcript: str | None) -> None:
+        """The second stage gets the reply's input as the plugin builds it (``stage_input``: the
+        transcript, or the conversation); nothing to answer ends the reply with nothing said."""
+        s, resp = self._s, self._resp
+        assert resp is not None
         first = self.bindings[0]
-        first.given, first.given_final = [text], True
+        pieces = self._plugin.stage_input(
+            first.stage,
+            transcript=transcript,
+            history=s.history,
+            settings=s.settings,
+            runtime_config=s.runtime_config,
+        )
+        if pieces is None:
+            self._text(first, "", finished=True)  # the later stages end the reply, silent
+            return
+        if s.history is not None:
+            s.history.begin_reply(resp.response_id)
+        first.given, first.given_final = pieces, True
         self._drive(first)
 
     def _drive(self, b: StageBinding, *, redo: bool = False) -> None:
@@ -291,6 +331,8 @@ class StagePipeline:
         """One step's news from a later stage's worker."""
         s = self._s
         if b.index == len(self._plugin.stages) - 1:
+            if s.history is not None and s.response is not None:
+                self._spoken(s.response, updates)
             s._output.handle(fence, payload, updates, input_seq)  # the reply's audio: the response's
             if b.began is not None and self._live() and s.response is not None and s.response.first_audio:
                 self._handed_on(b)
@@ -301,6 +343,8 @@ class StagePipeline:
             if u.HasField("error"):
                 self._error(b, u)
             elif self._current(u.fence):
+                if u.tool_calls and not self._tool_calls(b, u.tool_calls):
+                    return
                 self._text(b, u.text, finished=u.response_finished)
             elif u.text or u.response_finished:
                 DROPPED[DropReason.STALE_EPOCH if u.fence.epoch < s.epoch else DropReason.STALE_TURN].inc()
@@ -333,6 +377,8 @@ class StagePipeline:
         if text:
             b.out += text
             b.checked = len(b.out)
+            if s.history is not None and b.index == len(self._plugin.stages) - 2:
+                s.history.generated(resp.response_id, text)  # the reply as the model wrote it
             if b.stage.project_text:
                 for ev in self._plugin.data_plane.project_text(resp.proj, text):
                     s._output._queue(ev, resp)
@@ -347,6 +393,32 @@ class StagePipeline:
             nxt.given.extend(pieces)
             nxt.given_final = b.finished
             self._drive(nxt)
+
+    def _tool_calls(self, b: StageBinding, pieces: Sequence[worker_pb2.ToolCallNews]) -> bool:
+        """The text stage's tool calls: to the client as they are written, whole ones into the
+        history; whether the reply goes on (calls past the bounds fail it)."""
+        s, resp = self._s, self._resp
+        assert resp is not None
+        try:
+            events, whole = self._calls.take(pieces)
+        except ToolCallError as err:
+            s.finish_response(FAILED, err.code)
+            s._error(BadEventError(err.code, f"stage {b.stage.name!r}: {err.message}"))
+            return False
+        for ev in events:
+            s._output._queue(ev, resp)
+        if s.history is not None:
+            for call in whole:
+                s.history.tool_call(resp.response_id, call.call_id, call.name, call.arguments)
+        return True
+
+    def _spoken(self, resp: ActiveResponse, updates: Sequence[worker_pb2.RequestUpdate]) -> None:
+        """The last stage's text comes with each sentence's first frame: where it starts in the
+        reply's audio goes into the playback ledger (before this step's audio moves it on)."""
+        assert self._s.history is not None
+        for u in updates:
+            if u.text and u.fence.epoch == resp.epoch and u.fence.turn_id == resp.turn_id:
+                self._s.history.spoken(resp.response_id, resp.proj.audio_ms, u.text)
 
     def _handed_on(self, b: StageBinding) -> None:
         """``b``'s first output of the reply went on: its share of the first audio."""

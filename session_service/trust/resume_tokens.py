@@ -43,6 +43,7 @@ from duplex.audio import PcmFormat
 from duplex.errors import DuplexError
 from duplex.v1 import common_pb2
 from session_service.plugin import DuplexModelPlugin, SessionSettings, TurnDetection
+from session_service.session.history import ChatHistory, HistoryPolicy
 from session_service.trust.resume_keys import (
     MIN_SECRET_BYTES,
     VERSION,
@@ -76,6 +77,9 @@ class SessionProgress:
     """The session's last response ("" before the first)."""
     last_response_status: int = 0
     """Its ``ResponseStatus`` (UNSPECIFIED: it had not ended)."""
+    history: tuple[object, ...] = ()
+    """The conversation a chat stage sees (``ChatHistory.records``), oldest first: as much of it,
+    newest first, as fits in the token with everything else (claim ``h``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +169,17 @@ def issue(keys: ResumeKeys, claims: ResumeClaims) -> str:
     g = claims.progress
     if g != SessionProgress():
         body["g"] = [g.turn_id, g.events, g.last_response_id, g.last_response_status]
-    raw = json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+    history = list(g.history)
+    while True:
+        if history:
+            body["h"] = history
+        else:
+            body.pop("h", None)
+        raw = json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+        if not history or _sealed_chars(keys, len(raw.encode())) <= MAX_TOKEN_CHARS:
+            break
+        # The conversation is what gives way: its oldest records go until the rest fits.
+        del history[: max(1, len(history) // 8)]
     token = keys.seal(raw.encode())
     if len(token) > MAX_TOKEN_CHARS:
         raise ResumeTokenTooLargeError(
@@ -173,6 +187,13 @@ def issue(keys: ResumeKeys, claims: ResumeClaims) -> str:
             "shorten the instructions"
         )
     return token
+
+
+def _sealed_chars(keys: ResumeKeys, plaintext_bytes: int) -> int:
+    """The length of a token sealing ``plaintext_bytes`` (``v2.<kid>.`` and the base64url, no
+    padding, of the nonce, the ciphertext and the tag)."""
+    box = 12 + plaintext_bytes + 16
+    return len(VERSION) + len(keys.signing_kid) + 2 + (box * 4 + 2) // 3
 
 
 # ---- decoding ----------------------------------------------------------------------------------
@@ -252,7 +273,10 @@ def decode(
             settings=_parse_settings(body["s"]) if "s" in body else None,
             extra_body=_extra(body.get("x", {})),
             worker_id=_str(body.get("w", "")),
-            progress=_parse_progress(body["g"]) if "g" in body else SessionProgress(),
+            progress=dataclasses.replace(
+                _parse_progress(body["g"]) if "g" in body else SessionProgress(),
+                history=_parse_history(body.get("h", [])),
+            ),
         )
     except (ValueError, KeyError, TypeError, DuplexError) as exc:
         # Authentic but unreadable: a bug or an incompatible issuer, never the client's doing.
@@ -273,6 +297,12 @@ def _parse_progress(v: object) -> SessionProgress:
     if min(progress.turn_id, progress.events, progress.last_response_status) < 0:
         raise ValueError("negative progress")
     return progress
+
+
+def _parse_history(v: object) -> tuple[object, ...]:
+    records = tuple(_list(v))
+    ChatHistory.from_records(records, HistoryPolicy())  # the records' shape (raises ValueError)
+    return records
 
 
 def _extra(v: object) -> dict[str, object]:
