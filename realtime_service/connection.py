@@ -318,7 +318,16 @@ class Connection:
             turn_detection=command.turn.to_proto() if command.turn is not None else None,
             instructions=command.instructions,
             modalities=command.output_modalities,
+            extra_body=self._tools(command) or None,
         )
+
+    def _tools(self, command: UpdateSession) -> dict[str, object]:
+        """The update's ``tools`` and ``tool_choice`` for a model that calls tools (its session
+        takes them as ``extra_body``; one that does not keeps them here, not applied)."""
+        if not self.conversation.capabilities.function_calling:
+            return {}
+        defaults = {"tools": [], "tool_choice": "auto"}
+        return {k: defaults[k] if v is None else v for k, v in command.stored if k in defaults}
 
     # ---- the session's events ---------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from duplex.audio import PcmFormat
 from duplex.v1 import session_pb2
 from realtime_service import errors
 from realtime_service.errors import RealtimeError
+from realtime_service.function_calls import FunctionCalls
 from realtime_service.items import Items, assistant_item, user_audio_item
 from realtime_service.protocol import CreateItem, CreateResponse, UpdateSession
 from realtime_service.session_config import Settings, format_object, session_object, turn_from_proto
@@ -91,6 +92,8 @@ class Conversation:
         """The session service's event id of a client command -> what it was."""
         self._updates: deque[str] = deque()
         """Updates sent and not yet answered ``updated`` (answered in order)."""
+        self.calls = FunctionCalls(self.items, self._event, self.new_item_id)
+        """The model's tool calls: output items after each response's message."""
 
     # ---- ids ---------------------------------------------------------------------------------
 
@@ -232,6 +235,12 @@ class Conversation:
                 usage={"type": "duration", "seconds": 0},
             )
         ]
+
+    def _call_delta(self, ev: session_pb2.ServerEvent) -> list[Event]:
+        return self.calls.delta(ev.function_call_delta)
+
+    def _call_done(self, ev: session_pb2.ServerEvent) -> list[Event]:
+        return self.calls.done(ev.function_call)
 
     def _cleared(self, _ev: session_pb2.ServerEvent) -> list[Event]:
         self._user_item = ""
@@ -381,7 +390,10 @@ class Conversation:
             self._event(
                 "conversation.item.done", previous_item_id=self.items.previous_of(r.item_id), item=item
             ),
-            self._event("response.done", response=self._response_object(r, status, details, [item])),
+            self._event(
+                "response.done",
+                response=self._response_object(r, status, details, [item, *self.calls.ended(r.response_id)]),
+            ),
         ]
 
     def _response_done_event(self, ev: session_pb2.ServerEvent) -> list[Event]:
@@ -409,7 +421,7 @@ class Conversation:
             self._updates.remove(err.event_id)  # refused: no ``updated`` answers it
         if command == "CreateItem":
             # Its turn was not committed: the item is not added.
-            self._created_items = deque(c for c in self._created_items if c.event_id != sent_client(sent))
+            self._created_items = deque(c for c in self._created_items if c.event_id != _client_id(sent))
         if command == "CreateResponse" and err.code == "no_committed_input":
             return self.empty_response(sent.create if sent is not None else None)
         active = next(iter(self._responses), "")
@@ -448,31 +460,14 @@ class Conversation:
         """The response whose played position ``conversation.item.truncate`` reports ("" when too
         old to say), and the ``conversation.item.truncated`` answer; raises ``RealtimeError``.
         The item's transcript goes: the API keeps no text of what the user did not hear."""
-        item = self.items.get(item_id)
-        if item is None:
-            raise errors.item_not_found("truncate", item_id)
-        if item.get("role") != "assistant":
-            raise RealtimeError(
-                "invalid_value",
-                "only assistant messages can be truncated",
-                param="item_id",
-                duplex_code="not_assistant",
-            )
-        audio_ms = self.settings.output_format.duration_ms(self.items.audio_bytes(item_id))
-        if audio_end_ms > audio_ms + 1:
-            raise RealtimeError(
-                "invalid_value",
-                f"audio_end_ms {audio_end_ms} is past the item's audio ({int(audio_ms)} ms)",
-                param="audio_end_ms",
-            )
-        self.items.update(item_id, content=[{"type": "output_audio", "transcript": ""}])
+        self.items.truncate(item_id, audio_end_ms, self.settings.output_format)
         answer = self._event(
             "conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=audio_end_ms
         )
         return self._item_responses.get(item_id, ""), answer
 
 
-def sent_client(sent: _Sent | None) -> str | None:
+def _client_id(sent: _Sent | None) -> str | None:
     return sent.client_id if sent is not None else None
 
 
@@ -489,6 +484,8 @@ _HANDLERS: Final = {
     "input_transcribed": Conversation._input_transcribed,
     "response_done": Conversation._response_done_event,
     "error": Conversation._error,
+    "function_call_delta": Conversation._call_delta,
+    "function_call": Conversation._call_done,
 }
 
 __all__ = ["Conversation", "Event", "Settings"]

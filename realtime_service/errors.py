@@ -15,7 +15,9 @@ from typing import Any, Final
 from duplex.errors import echo
 
 #: Session-service error codes that are the server's fault, not the request's.
-SERVER_CODES: Final = frozenset({"internal", "worker_unavailable", "unavailable", "draining", "fenced"})
+SERVER_CODES: Final = frozenset(
+    {"internal", "worker_unavailable", "unavailable", "draining", "fenced", "upstream_unavailable"}
+)
 
 # OpenAI's codes (GA Realtime API).
 CANCEL_NOT_ACTIVE: Final = "response_cancel_not_active"

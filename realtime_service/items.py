@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
+from duplex.audio import PcmFormat
 from realtime_service import errors
 from realtime_service.errors import RealtimeError
 
@@ -127,6 +128,29 @@ class Items:
     def audio_bytes(self, item_id: str) -> int:
         entry = self._entries.get(item_id)
         return entry.audio_bytes if entry is not None else 0
+
+    def truncate(self, item_id: str, audio_end_ms: int, fmt: PcmFormat) -> None:
+        """``conversation.item.truncate``: the assistant item's transcript goes (the API keeps no
+        text of what the user did not hear); raises ``RealtimeError`` for an item not kept, not
+        an assistant's, or a position past its audio (``fmt``: the audio's format)."""
+        item = self.get(item_id)
+        if item is None:
+            raise errors.item_not_found("truncate", item_id)
+        if item.get("role") != "assistant":
+            raise RealtimeError(
+                "invalid_value",
+                "only assistant messages can be truncated",
+                param="item_id",
+                duplex_code="not_assistant",
+            )
+        audio_ms = fmt.duration_ms(self.audio_bytes(item_id))
+        if audio_end_ms > audio_ms + 1:
+            raise RealtimeError(
+                "invalid_value",
+                f"audio_end_ms {audio_end_ms} is past the item's audio ({int(audio_ms)} ms)",
+                param="audio_end_ms",
+            )
+        self.update(item_id, content=[{"type": "output_audio", "transcript": ""}])
 
     def _bound(self, keep: str) -> None:
         while len(self._order) > 1 and (len(self._order) > self.max_items or self._chars > self.max_chars):

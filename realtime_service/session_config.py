@@ -38,8 +38,10 @@ EAGERNESS_SILENCE_MS: Final = {"low": 1000, "medium": 500, "auto": 500, "high": 
 #: Read-only fields a client may send back as it got them (no effect).
 READ_ONLY_FIELDS: Final = frozenset({"type", "object", "id", "model", "expires_at"})
 
-#: Session fields the edge keeps and reports back but does not act on (no tool calls, no token
-#: limits, no tracing here); a value other than the API's default is listed as not applied.
+#: Session fields the edge keeps and reports back but does not act on (no token limits, no
+#: tracing here; tools only for a model that calls them: ``capabilities.function_calling``, when
+#: ``tools`` and ``tool_choice`` go on to the session); a value other than the API's default is
+#: listed as not applied.
 STORED_FIELDS: Final[dict[str, object]] = {
     "tools": [],
     "tool_choice": "auto",
@@ -299,6 +301,7 @@ def parse_session_update(event: dict[str, Any], event_id: str | None) -> UpdateS
                 else "kept; no effect here"
             )
             f.not_applied.append((f"session.{key}", why))
+
     input_format = output_format = None
     turn: TurnSetting | None = None
     audio = f.take(lambda: obj(session.get("audio"), "session.audio", nullable=True)) or {}
@@ -373,6 +376,7 @@ def turn_object(turn: TurnSetting) -> dict[str, Any] | None:
 
 
 _TRANSCRIPTION: Final = "session.audio.input.transcription"
+_TOOLS: Final = ("session.tools", "session.tool_choice")
 
 
 def session_object(
@@ -390,7 +394,7 @@ def session_object(
         "capabilities": {
             "input": ["audio"],
             "output_modalities": list(caps.modalities) or list(s.output_modalities),
-            "function_calling": False,
+            "function_calling": caps.function_calling,
             "input_transcription": caps.input_transcription,
             "turn_detection": ["semantic_vad"]
             if native
@@ -414,6 +418,8 @@ def session_object(
         duplex["turn_detection"] = {"silence_duration_ms": s.turn.to_proto().silence_ms or None}
     if caps.input_transcription:  # it transcribes whatever the client asked: not "not applied"
         not_applied = tuple((p, why) for p, why in not_applied if not p.startswith(_TRANSCRIPTION))
+    if caps.function_calling:  # its session takes the tools (and says so if it refuses them)
+        not_applied = tuple((p, why) for p, why in not_applied if p not in _TOOLS)
     if not_applied:
         duplex["not_applied"] = [{"param": p, "reason": why} for p, why in not_applied]
     return {

@@ -123,7 +123,10 @@ def test_the_records_rebuild_the_history_as_heard() -> None:
     h.sent("r1", 1000)
     h.reply_ended("r1", completed=False)
     records = h.records()
-    assert records == [["u", "hello"], ["a", "The first sentence.", [["c1", "f", '{"a": 1}', "cancelled", ""]]]]
+    assert records == [
+        ["u", "hello"],
+        ["a", "The first sentence.", [["c1", "f", '{"a": 1}', "cancelled", ""]]],
+    ]
     again = ChatHistory.from_records(records, HistoryPolicy())
     assert again.records() == records
     for bad in ("x", [["q", "x"]], [["a", "x", [["c", "f", "{}", "weird", ""]]]], [["u", 3]]):

@@ -41,7 +41,7 @@ from session_service.session.lifecycle import DropReason
 from session_service.session.state import FAILED
 from session_service.session.tool_calls import ReplyCalls, ToolCallError
 from session_service.session.worker_handle import Placer, WorkerHandle
-from session_service.session.worker_output import StepFence, client_code
+from session_service.session.worker_output import RETRYABLE, StepFence, client_code
 
 if TYPE_CHECKING:
     from session_service.session.response import ActiveResponse
@@ -438,7 +438,13 @@ class StagePipeline:
             return
         if self._current(u.fence):
             s.finish_response(FAILED, client_code(code) if code else ErrorCode.MODEL_ERROR.value)
-        s._error(BadEventError(client_code(code), f"stage {b.stage.name!r}: {u.error.message or code}"))
+        s._error(
+            BadEventError(
+                client_code(code),
+                f"stage {b.stage.name!r}: {u.error.message or code}",
+                retryable=client_code(code) in RETRYABLE,
+            )
+        )
 
     def draining(self) -> bool:
         """The reply is down to stages the plugin lets drain (``draining_stages``): speech does

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
 from duplex.clock import Clock
 from duplex.errors import BadEventError, ErrorCode, WorkerErrorCode
@@ -123,11 +123,19 @@ def barges_in(fence: common_pb2.Fence, response: ActiveResponse | None, *, enabl
     return enabled and response is not None and fence.turn_id >= response.turn_id
 
 
+#: Client codes of a worker's per-request error that trying again may cure.
+RETRYABLE: Final = frozenset({ErrorCode.UPSTREAM_UNAVAILABLE.value})
+
+
 def client_code(worker_code: str) -> str:
     """The code a client sees for a worker's per-request error (``WorkerErrorCode``): the ones a
     client can act on pass through, a full input queue is ``capacity_exhausted``, and anything
     else is the model's failure as far as the client is concerned."""
-    if worker_code in (WorkerErrorCode.NO_COMMITTED_INPUT, WorkerErrorCode.MODEL_ERROR):
+    if worker_code in (
+        WorkerErrorCode.NO_COMMITTED_INPUT,
+        WorkerErrorCode.MODEL_ERROR,
+        WorkerErrorCode.UPSTREAM_UNAVAILABLE,
+    ):
         return worker_code
     if worker_code == WorkerErrorCode.CAPACITY:
         return ErrorCode.CAPACITY_EXHAUSTED.value
@@ -307,4 +315,8 @@ class WorkerOutput:
         s.reset_acks()
         if belongs_to(u.fence, s.response):
             s.finish_response(FAILED, code or ErrorCode.MODEL_ERROR.value)
-        s.emitter.error(BadEventError(client_code(code), u.error.message or code))
+        s.emitter.error(
+            BadEventError(
+                client_code(code), u.error.message or code, retryable=client_code(code) in RETRYABLE
+            )
+        )
