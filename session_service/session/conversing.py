@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from duplex.errors import BadEventError, ErrorCode
 from duplex.v1 import session_pb2
 from session_service.metrics import EVENTS_IN
 from session_service.session.history import ChatHistory
-from session_service.session.lifecycle import TurnStatus
+from session_service.session.lifecycle import CloseReason, TurnStatus
 from session_service.session.settings import struct_to_dict
 from session_service.session.staging import Staging
 from session_service.session.state import COMPLETED, Status
 from session_service.trust.resume_tokens import SessionProgress
+
+if TYPE_CHECKING:
+    from session_service.session.response import ActiveResponse
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +63,18 @@ class Conversing(Staging):
             self.history.user(transcript)
         super().transcribed(transcript)
 
-    def finish_response(self, status: Status, reason: str) -> None:
-        resp = self.response
-        super().finish_response(status, reason)
-        if resp is not None and self.history is not None:
+    def _response_done(
+        self, resp: ActiveResponse, status: Status, reason: str, *, restarting: bool = False
+    ) -> None:
+        # The history first: the token ``response_done`` carries knows the reply as heard.
+        if self.history is not None and not restarting:
             self.history.reply_ended(resp.response_id, completed=status == COMPLETED)
+        super()._response_done(resp, status, reason, restarting=restarting)
 
-    def cancel(self, reason: str, *, to: int = 0) -> None:
-        resp = self.response
-        super().cancel(reason, to=to)
-        if resp is not None and self.history is not None:
-            self.history.reply_ended(resp.response_id, completed=False)
+    def _close(self, reason: CloseReason) -> None:
+        if self.history is not None and self.response is not None:
+            self.history.reply_ended(self.response.response_id, completed=False)
+        super()._close(reason)
 
     def _audio_out(self, delta: session_pb2.AudioDelta) -> None:
         """A reply's audio went out to the client (taken by its stream)."""

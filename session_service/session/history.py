@@ -110,9 +110,11 @@ class Ledger:
     ended: bool = False
     completed: bool = False
 
-    def heard(self) -> str:
-        """The reply as the user heard it (see the module docstring)."""
-        limit = float("inf") if self.completed or not self.ended else self.sent_ms
+    def heard(self, *, so_far: bool = False) -> str:
+        """The reply as the user heard it (see the module docstring); ``so_far``: of a reply still
+        going, only what went out yet (what a resume token may carry while it goes on)."""
+        cut = self.ended and not self.completed or so_far and not self.ended
+        limit = self.sent_ms if cut else float("inf")
         if self.played_ms is not None:
             limit = min(limit, self.played_ms)
         if limit == float("inf"):
@@ -270,7 +272,8 @@ class ChatHistory:
                 out.append(["u", m.text])
             else:
                 calls = [[c.call_id, c.name, c.arguments, c.status.value, c.output] for c in m.calls]
-                out.append(["a", m.content, calls])
+                heard = m.ledger.heard(so_far=True) if m.ledger is not None else m.text
+                out.append(["a", heard, calls])
         return out
 
     @classmethod
