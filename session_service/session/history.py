@@ -113,7 +113,7 @@ class Ledger:
     def heard(self, *, so_far: bool = False) -> str:
         """The reply as the user heard it (see the module docstring); ``so_far``: of a reply still
         going, only what went out yet (what a resume token may carry while it goes on)."""
-        cut = self.ended and not self.completed or so_far and not self.ended
+        cut = (self.ended and not self.completed) or (so_far and not self.ended)
         limit = self.sent_ms if cut else float("inf")
         if self.played_ms is not None:
             limit = min(limit, self.played_ms)
