@@ -92,8 +92,8 @@ def session_config(session: dict[str, Any]) -> tuple[str, UpdateSession]:
         raise HttpError(HTTPStatus.BAD_REQUEST, err.code, err.message, param=err.param) from None
     assert isinstance(command, UpdateSession)
     if command.problems:  # a session.update applies what it can; a config given up front is whole
-        problem = command.problems[0]
-        raise HttpError(HTTPStatus.BAD_REQUEST, problem.code, problem.message, param=problem.param)
+        first = command.problems[0]
+        raise HttpError(HTTPStatus.BAD_REQUEST, first.code, first.message, param=first.param)
     return model, command
 
 

@@ -37,6 +37,7 @@ GENERATED = {
     "benchmarks/plots",
     "benchmarks/gpu",
     "examples/hello.reply.wav",
+    "examples/coffee.reply.wav",
 }
 # The repository's own top-level packages and folders a doc may name.
 OWN_PACKAGES = (
