@@ -237,9 +237,13 @@ class Conversation:
         ]
 
     def _call_delta(self, ev: session_pb2.ServerEvent) -> list[Event]:
+        if ev.function_call_delta.response_id not in self._responses:
+            return []  # a response this connection never saw start, or one already done
         return self.calls.delta(ev.function_call_delta)
 
     def _call_done(self, ev: session_pb2.ServerEvent) -> list[Event]:
+        if ev.function_call.response_id not in self._responses:
+            return []
         return self.calls.done(ev.function_call)
 
     def _cleared(self, _ev: session_pb2.ServerEvent) -> list[Event]:

@@ -372,3 +372,75 @@ async def test_past_its_bound_the_queue_overflows() -> None:
     out.put(Frame("x" * 8))
     assert out.overflowed and out.overflow.is_set()
     assert await asyncio.wait_for(out.get(), 1) is None  # the writer stops
+
+
+def test_a_models_tool_calls_are_function_call_items_after_its_message() -> None:
+    conv = conversation()
+    conv.on_event(ev(response_started=session_pb2.ResponseStarted(response_id="resp_1", turn_id=1)))
+    first = conv.on_event(
+        ev(
+            function_call_delta=session_pb2.FunctionCallDelta(
+                response_id="resp_1", call_id="c1", name="f", delta="{"
+            )
+        )
+    )
+    assert kinds(first) == [
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.function_call_arguments.delta",
+    ]
+    item = first[0]["item"]
+    assert (item["type"], item["status"], item["call_id"], item["name"]) == (
+        "function_call",
+        "in_progress",
+        "c1",
+        "f",
+    )
+    assert first[0]["output_index"] == 1 and first[2]["item_id"] == item["id"] and first[2]["delta"] == "{"
+    conv.on_event(
+        ev(
+            function_call_delta=session_pb2.FunctionCallDelta(
+                response_id="resp_1", call_id="c1", name="f", delta="}"
+            )
+        )
+    )
+    done = conv.on_event(
+        ev(
+            function_call=session_pb2.FunctionCall(
+                response_id="resp_1", call_id="c1", name="f", arguments="{}"
+            )
+        )
+    )
+    assert kinds(done) == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "conversation.item.done",
+    ]
+    assert done[1]["item"]["status"] == "completed" and done[1]["item"]["arguments"] == "{}"
+    # A second call, begun and not finished when the response is cancelled: incomplete.
+    second = conv.on_event(
+        ev(
+            function_call_delta=session_pb2.FunctionCallDelta(
+                response_id="resp_1", call_id="c2", name="g", delta="["
+            )
+        )
+    )
+    assert second[0]["output_index"] == 2
+    ended = conv.on_event(
+        ev(
+            response_done=session_pb2.ResponseDone(
+                response_id="resp_1", status=session_pb2.RESPONSE_STATUS_CANCELLED
+            )
+        )
+    )
+    output = ended[-1]["response"]["output"]
+    assert [(o["type"], o["status"]) for o in output] == [
+        ("message", "incomplete"),
+        ("function_call", "completed"),
+        ("function_call", "incomplete"),
+    ]
+    assert conv.items.get(output[2]["id"])["status"] == "incomplete"
+    # Calls of a response this connection does not hold (never seen, or done) are not passed on.
+    late = session_pb2.FunctionCallDelta(response_id="resp_1", call_id="c3", name="h", delta="{")
+    other = session_pb2.FunctionCall(response_id="resp_other", call_id="c4", name="h", arguments="{}")
+    assert conv.on_event(ev(function_call_delta=late)) == [] and conv.on_event(ev(function_call=other)) == []
