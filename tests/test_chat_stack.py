@@ -4,20 +4,25 @@ scripted chat server (``tests.chat_server``, a real HTTP server process) as the 
 and the official ``openai`` SDK as the client: a spoken question reaches the chat server with the
 right history, a tool call round-trips and the spoken answer uses its result; a reply barged into
 after one sentence is in the next request cut to that sentence; a chat server that hangs fails
-the turn ``upstream_unavailable`` and the session goes on."""
+the turn ``upstream_unavailable`` and the session goes on; the conversation survives the loss of
+the session replica that held it (the client resumes on another with its token, gRPC)."""
 
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from duplex.client import DuplexClient
 from duplex.stack import LocalStack
+from duplex.v1 import session_pb2
 from realtime_service.session_config import PCM24K
 from tests.chat_helpers import ChatServer, chat_server, user_texts
+from tests.procs import ServiceProcess, start_all, start_service
 from tests.realtime_helpers import audio_of, read_until, sdk, sending, types
 from tests.session_helpers import metric_value, metrics_text
 from tests.test_cascade_stack import espeak_wav, heard, rms, utterance
@@ -216,3 +221,60 @@ async def test_a_chat_server_that_hangs_fails_the_turn_with_its_code_and_the_ses
     # The second request has the first turn's words, and no reply to them (none was heard).
     requests = llm.requests()
     assert [m["role"] for m in requests[1]["messages"]] == ["user", "user"], json.dumps(requests[1])
+
+
+async def test_the_conversation_survives_the_loss_of_its_session_replica(
+    stack: LocalStack, llm: ChatServer, wavs: dict[str, Path]
+) -> None:
+    """Two session replicas of one deployment (one resume secret) on the stack's workers; the
+    one holding the session is SIGKILLed after a turn; the client resumes on the other with the
+    token it last got, and the model is sent the conversation as it was."""
+    workers = {m: stack.stage_workers(m)[0].grpc for m in ("asr", "chat", "tts")}
+    args = [
+        "session",
+        "--plugin",
+        "session_service.plugins.chat:ChatPlugin",
+        "--workers",
+        workers["asr"],
+        "--stage-workers",
+        f"chat={workers['chat']}",
+        "--stage-workers",
+        f"tts={workers['tts']}",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "0",
+    ]
+    env = {"DUPLEX_RESUME_SECRET": "one-deployment-s-resume-secret-of-40-bytes"}
+    replicas: list[ServiceProcess] = []
+    try:
+        first, second = start_all([args, args], replicas, start=lambda a: start_service(a, env=env))
+        async with DuplexClient(first.grpc) as client:
+            session = await client.open_session(
+                input_format=PCM24K, output_format=PCM24K, instructions=INSTRUCTIONS, auto_resume=False
+            )
+            await session.stream_audio([utterance(wavs[ASKED])], fmt=PCM24K)
+            said = (await session.wait_for("input_transcribed", timeout_s=30)).input_transcribed.transcript
+            done = await session.wait_for("response_done", timeout_s=30)
+            assert done.response_done.status == session_pb2.RESPONSE_STATUS_COMPLETED, done
+            token = session.resume_token
+        first.proc.send_signal(signal.SIGKILL)  # the replica is lost: no go_away, no drain
+        first.proc.wait(10)
+        async with DuplexClient(second.grpc) as client:
+            resumed = await client.resume(session.session_id, token)
+            assert resumed.session_id == session.session_id
+            await resumed.stream_audio([utterance(wavs[AGAIN])], fmt=PCM24K)
+            again = (await resumed.wait_for("input_transcribed", timeout_s=30)).input_transcribed.transcript
+            done = await resumed.wait_for("response_done", timeout_s=30)
+            assert done.response_done.status == session_pb2.RESPONSE_STATUS_COMPLETED, done
+    finally:
+        for replica in replicas:
+            replica.terminate()
+    requests = llm.requests()
+    assert len(requests) == 2 and said and again, requests
+    assert requests[1]["messages"] == [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": said},
+        {"role": "assistant", "content": f"You said: {said}."},
+        {"role": "user", "content": again},
+    ]
