@@ -1,6 +1,7 @@
 """The cascade (a model served in stages: ASR -> responder -> TTS, each on its own worker), as served.
 
     python -m benchmarks.cascade [--sessions 1,2,4,8] [--asr-workers 2] [--turns 3] [--json PATH]
+    python -m benchmarks.cascade --pipeline chat [...]   # a language model stage in the middle
 
 For each session count N of ``--sessions``, a local stack (``LocalStack(pipeline="cascade")``:
 ``--asr-workers`` speech recognition workers, one responder and one TTS worker, each with one
@@ -21,6 +22,11 @@ the last. Measured:
   of each stage's worker) and the first audio came within ``--max-first-audio-s`` at p90.
 Admission is off (``--max-tick-load 0``) so the measure shows where real time breaks, not where
 the worker would have refused.
+
+``--pipeline chat`` measures the chat pipeline the same way (ASR -> chat -> TTS), its chat stage
+streaming from the tests' scripted OpenAI-compatible server (``tests.chat_server``), which answers
+at once ("You said: ..."): the chat stage's share is then its own cost, the server's time to the
+first token (``duplex_worker_llm_first_token_seconds``) given beside it.
 """
 
 from __future__ import annotations
@@ -41,14 +47,13 @@ import numpy as np
 from benchmarks._sys import CpuMeter, NoMeasurement, fail, ints, write_result
 from duplex.audio import PCM16K_MONO
 from duplex.client import event_kind, load_wav_as
-from duplex.stack import LocalStack, example_path
+from duplex.stack import PIPELINES, LocalStack, example_path
 from duplex.v1 import session_pb2, session_pb2_grpc
 
 CHUNK_S = 0.032
 """One append: a worker frame."""
 LISTEN_S = 7.0
 """The silence after each utterance (the user listens to the reply)."""
-STAGES = ("asr", "responder", "tts")
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
@@ -99,7 +104,7 @@ async def _client(target: str, utterance: bytes, turns: int, seen: Turns, delay_
         cfg = session_pb2.SessionConfig(
             input_format=PCM16K_MONO.to_proto(), output_format=PCM16K_MONO.to_proto()
         )
-        out.put_nowait(session_pb2.ClientEvent(open=session_pb2.SessionOpen(model="cascade", config=cfg)))
+        out.put_nowait(session_pb2.ClientEvent(open=session_pb2.SessionOpen(config=cfg)))
 
         async def requests() -> Any:
             while (ev := await out.get()) is not None:
@@ -157,7 +162,7 @@ async def _warm(target: str, sessions: int) -> None:
             call = stub.Converse(
                 iter(
                     [
-                        session_pb2.ClientEvent(open=session_pb2.SessionOpen(model="cascade", config=cfg)),
+                        session_pb2.ClientEvent(open=session_pb2.SessionOpen(config=cfg)),
                         session_pb2.ClientEvent(
                             append=session_pb2.InputAudioAppend(
                                 seq=1, pcm=bytes(PCM16K_MONO.bytes_for_ms(32))
@@ -175,14 +180,44 @@ async def _warm(target: str, sessions: int) -> None:
 
 
 def served(
-    sessions: int, turns: int, device: str = "cpu", torch_threads: int = 1, asr_workers: int = 1
+    sessions: int,
+    turns: int,
+    device: str = "cpu",
+    torch_threads: int = 1,
+    asr_workers: int = 1,
+    pipeline: str = "cascade",
 ) -> dict[str, Any]:
-    """``sessions`` clients, ``turns`` turns each, through a fresh cascade stack (``device``: the
-    workers'; the recognizer and the synthesizer run on the CPU whatever it is)."""
+    """``sessions`` clients, ``turns`` turns each, through a fresh stack of ``pipeline``
+    (``device``: the workers'; the recognizer and the synthesizer run on the CPU whatever it is)."""
+    if pipeline == "chat":
+        from tests.chat_helpers import ChatServer  # the scripted server (a dev install's)
+
+        llm: ChatServer | None = ChatServer()
+    else:
+        llm = None
+    try:
+        return _served(sessions, turns, device, torch_threads, asr_workers, pipeline, llm)
+    finally:
+        if llm is not None:
+            llm.stop()
+
+
+def _served(
+    sessions: int,
+    turns: int,
+    device: str,
+    torch_threads: int,
+    asr_workers: int,
+    pipeline: str,
+    llm: Any,
+) -> dict[str, Any]:
+    stages = PIPELINES[pipeline][1]
     utterance = load_wav_as(example_path("coffee.wav"), PCM16K_MONO)
+    llm_args = ["--llm-url", llm.url, "--llm-model", "scripted", "--llm-concurrency", "64"] if llm else []
     with tempfile.TemporaryFile("w+") as log:
         stack = LocalStack(
-            pipeline="cascade",
+            pipeline=pipeline,
+            stage_args={"chat": llm_args} if llm else {},
             workers=1,
             stage_counts={"asr": asr_workers},
             device=device,
@@ -196,7 +231,7 @@ def served(
         )
         with stack:
             assert stack.session is not None
-            workers = {w.name: w for stage in STAGES for w in stack.stage_workers(stage)}  # asr-0, ...
+            workers = {w.name: w for stage in stages for w in stack.stage_workers(stage)}  # asr-0, ...
             asyncio.run(_warm(stack.target, sessions))
             before = {name: _scrape(w.metrics_url) for name, w in workers.items()}
             meter = CpuMeter({**{name: w.pid for name, w in workers.items()}, "session": stack.session.pid})
@@ -244,9 +279,11 @@ def served(
         ticks = grew(stage, "duplex_worker_tick_duration_seconds_count")
         return 100 * grew(stage, "duplex_worker_ticks_late_total") / ticks if ticks else None
 
-    cpu = {stage: sum(meter.seconds.get(n) or 0.0 for n in of(stage)) for stage in STAGES}
+    cpu = {stage: sum(meter.seconds.get(n) or 0.0 for n in of(stage)) for stage in stages}
     cpu["session"] = meter.seconds.get("session") or 0.0
+    first_token = grew("chat", "duplex_worker_llm_first_token_seconds_count")
     return {
+        "pipeline": pipeline,
         "sessions": sessions,
         "asr_workers": asr_workers,
         "turns": sessions * turns,
@@ -254,9 +291,12 @@ def served(
         "failed": sum(t.failed for t in seen),
         "speech_end_to_commit_s": _pcts(to_commit),
         "speech_end_to_first_audio_s": _pcts(to_audio),
-        "stage_latency_mean_s": {stage: stage_latency(stage) for stage in STAGES[1:]},
+        "stage_latency_mean_s": {stage: stage_latency(stage) for stage in stages[1:]},
+        "llm_first_token_mean_s": grew("chat", "duplex_worker_llm_first_token_seconds_sum") / first_token
+        if first_token
+        else None,
         "cpu_s_per_session_s": {name: sec / stream_s for name, sec in cpu.items()},
-        "ticks_late_pct": {stage: late_pct(stage) for stage in STAGES},
+        "ticks_late_pct": {stage: late_pct(stage) for stage in stages},
         "other_cpu_pct": pct.get("other"),
     }
 
@@ -274,6 +314,7 @@ def _pcts(xs: list[float]) -> dict[str, float] | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pipeline", choices=("cascade", "chat"), default="cascade")
     p.add_argument("--device", default="cpu", help="the workers' device (VAD; the rest runs on the CPU)")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument(
@@ -294,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for n in ints(args.sessions):
-            row = served(n, args.turns, args.device, args.torch_threads, args.asr_workers)
+            row = served(n, args.turns, args.device, args.torch_threads, args.asr_workers, args.pipeline)
             rows.append(row)
             lat = row["stage_latency_mean_s"]
             cpu = row["cpu_s_per_session_s"]
@@ -303,8 +344,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n:3d} sessions: {row['answered']}/{row['turns']} answered; speech end -> commit "
                 f"{row['speech_end_to_commit_s']['median']:.3f} s, -> first audio "
                 f"{row['speech_end_to_first_audio_s']['median']:.3f} s (p90 "
-                f"{row['speech_end_to_first_audio_s']['p90']:.3f}); responder {lat['responder'] or 0:.3f} s, "
-                f"tts {lat['tts'] or 0:.3f} s; CPU per session-second "
+                f"{row['speech_end_to_first_audio_s']['p90']:.3f}); "
+                + ", ".join(f"{k} {v or 0:.3f} s" for k, v in lat.items())
+                + (
+                    f" (the server's first token {row['llm_first_token_mean_s']:.3f} s)"
+                    if row["llm_first_token_mean_s"] is not None
+                    else ""
+                )
+                + "; CPU per session-second "
                 + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
                 + "; ticks late % "
                 + ", ".join(f"{k} {v:.1f}" for k, v in late.items() if v is not None),
@@ -321,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     write_result(
         args.json,
-        "cascade",
+        args.pipeline,
         {
             "rows": rows,
             "sessions_in_real_time": max(held, default=0),
@@ -330,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     print(
-        f"cascade sessions this machine holds in real time: {max(held, default=0)} (of {ints(args.sessions)})"
+        f"{args.pipeline} sessions this machine holds in real time: {max(held, default=0)} "
+        f"(of {ints(args.sessions)})"
     )
     return 0
 
