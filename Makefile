@@ -42,7 +42,7 @@ proto-check: setup
 	  || (echo "generated protobuf code is stale: run 'make proto' and commit" && exit 1)
 
 test: setup proto-check
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The live fuzz (tests/live_fuzz.py): hostile clients against a real worker and session service
 # while a healthy client talks; fails if an invariant breaks. CI runs 30 s (about 45 s in all);
