@@ -52,6 +52,7 @@ import time
 import urllib.error
 import urllib.request
 import wave
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -654,19 +655,14 @@ def main(argv: list[str] | None = None) -> int:
             f"REVISION={labels['REVISION']}",
         ]
         built: dict[str, str] = {}
-        for name, extra in (
-            ("session", []),
-            ("realtime", []),  # session.Containerfile's builder, cached by --layers: its final stage
-            (
-                "worker-cpu",
-                [
-                    "--build-arg",
-                    f"TORCH_WHEELS={wheels.relative_to(ROOT)}",
-                    "--build-arg",
-                    "TORCH_INDEX=https://pypi.org/simple",
-                ],
-            ),
-        ):
+        worker_args = [
+            "--build-arg",
+            f"TORCH_WHEELS={wheels.relative_to(ROOT)}",
+            "--build-arg",
+            "TORCH_INDEX=https://pypi.org/simple",
+        ]
+
+        def build(name: str, extra: list[str]) -> None:
             t = time.monotonic()
             image = f"{PREFIX}/{name}:{tag}"
             b.stream(
@@ -682,6 +678,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             built[name] = image
             log(f"{name}: built {image} in {time.monotonic() - t:.0f} s")
+
+        def front() -> None:
+            build("session", [])
+            build("realtime", [])  # session.Containerfile's builder, cached by --layers: its final stage
+
+        # The worker's image and the front ones share only the base: built side by side (most of
+        # each is waiting on pip's downloads), in one buildah storage (it locks what it shares).
+        with ThreadPoolExecutor(2) as pool:
+            jobs = [pool.submit(front), pool.submit(build, "worker-cpu", worker_args)]
+            for job in jobs:
+                job.result()
+        built = {name: built[name] for name in ("session", "realtime", "worker-cpu")}
         cuda_base = containerfile_default("worker-cuda", "CUDA_IMAGE")
         ok, why = pullable(b, cuda_base)
         if ok:
