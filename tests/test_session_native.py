@@ -236,3 +236,43 @@ async def test_a_lost_worker_resets_the_models_context_and_the_session_goes_on()
     finally:
         r.close("test")  # type: ignore[arg-type]
         await r.wait_closed()
+
+
+async def test_an_append_in_flight_when_the_worker_is_lost_is_no_error() -> None:
+    """The worker dies with an append's write in flight: its context (and that input) went with
+    it, and the client is told so by ``context_reset``, not by an error for the append."""
+
+    class Holding(FakeLink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_flight: list[asyncio.Future[None]] = []
+
+        def submit(
+            self, subs: Sequence[worker_pb2.Submission], *, prompt: bool = False
+        ) -> asyncio.Future[None]:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.subs.extend(subs)
+            self.in_flight.append(fut)
+            return fut
+
+    old, new = Holding(), FakeLink()
+    r = native_runner(old, Placer(new))
+    try:
+        await r.post(append(1))
+        await settle()
+        assert len(old.in_flight) == 1 and not old.in_flight[0].done()
+        # As the link loses its stream: the writes fail, then the sessions hear of the loss.
+        old.healthy = False
+        old.in_flight[0].set_exception(ConnectionError("gone"))
+        r.on_worker_lost(old)  # type: ignore[arg-type]
+        await settle()
+        evs = drain(r)
+        assert "error" not in kinds(evs) and "context_reset" in kinds(evs), kinds(evs)
+        # The session goes on at the new worker.
+        await r.post(append(2))
+        await settle()
+        assert r.link is new and [s.kind for s in new.subs] == [APPEND]
+        assert "error" not in kinds(drain(r))
+    finally:
+        r.close("test")  # type: ignore[arg-type]
+        await r.wait_closed()

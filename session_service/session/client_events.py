@@ -138,10 +138,11 @@ class ClientEvents(Failover):
                 try:
                     wseq = await self._append_frames(link, fence, frames)
                 except UnavailableError:
-                    if not (self._replayable and self.link is not link and self.epoch == fence.epoch):
+                    if not (self._goes_on_without(link) and self.epoch == fence.epoch):
                         raise
                     # Lost with its worker mid-write: the session moves (the turn's input is
-                    # replayed there) and the append goes to the new worker.
+                    # replayed there, or a model-native model starts afresh) and the append goes
+                    # to the new worker.
                     link = await self._bound_link()
                     fence = self._fence()
                     wseq = await self._append_frames(link, fence, frames)
@@ -260,14 +261,21 @@ class ClientEvents(Failover):
         if self._submit_wait is not None and self._submit_wait[0] is written:
             self._submit_wait = None
         exc = asyncio.CancelledError() if written.cancelled() else written.exception()
-        if exc is None or (self._replayable and self.link is not link):
-            # Written; or lost with its worker, and the move replays it from the log.
+        if exc is None or self._goes_on_without(link):
+            # Written; or lost with its worker, and the move replays it from the log (or, for a
+            # model-native model, lost with the context its client is told was reset).
             self._ack_append(seq, seq_epoch, fence, received)
             self._check_overflow()
             return
         if self.link is link:
             self.input_status = InputStatus.ABANDONED
         self._error(_write_error(exc), event_id)
+
+    def _goes_on_without(self, link: WorkerHandle) -> bool:
+        """The session left ``link`` (its worker was lost) and goes on elsewhere without what a
+        write to it carried: replayed from the log, or, for a model-native model, whose context
+        went with the worker (``context_reset``), not needed."""
+        return self.link is not link and (self._replayable or self._plugin.model_native)
 
     def _accept_append(self, ap: session_pb2.InputAudioAppend, pcm: bytes) -> int:
         """An append's checks and its client seq; returns the epoch of the client's numbering."""
