@@ -2,8 +2,9 @@
 (the edge checking bearer tokens): a page written to OpenAI's WebRTC flow, served from an origin
 of its own (CORS), with a client secret a backend minted; and the edge's own page at ``/``.
 
-The fake microphone plays examples/hello.wav then 1.5 s of silence, looped: the first reply is
-talked over by the loop's next pass (barge-in), the page mutes its microphone once the second
+The fake microphone plays examples/hello.wav then 2.5 s of silence, looped: the first reply (as
+long as the utterance, 3.3 s) is talked over by the loop's next pass (barge-in; the reply has 2 s
+to begin before it, time a loaded machine may need), the page mutes its microphone once the second
 turn is spoken, so the second reply plays to its end.
 """
 
@@ -71,7 +72,7 @@ def edge(tokens: Path, page_origin: str) -> Iterator[LocalStack]:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
-    wav = microphone_wav(tmp_path_factory.mktemp("mic") / "mic.wav", silence_s=1.5)
+    wav = microphone_wav(tmp_path_factory.mktemp("mic") / "mic.wav", silence_s=2.5)
     with Browser(wav) as b:
         yield b
 
