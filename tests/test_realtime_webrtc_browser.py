@@ -82,7 +82,14 @@ def mint(base: str, seconds: int) -> str:
         f"{base}/v1/realtime/client_secrets",
         {
             "expires_after": {"anchor": "created_at", "seconds": seconds},
-            "session": {"type": "realtime", "model": "parrot", "instructions": "repeat after me"},
+            "session": {
+                "type": "realtime",
+                "model": "parrot",
+                "instructions": "repeat after me",
+                # A turn ends after 1 s of silence: a gap in the fake microphone's packets on a
+                # loaded machine must not end it mid-utterance (the loop's silence is 2.5 s).
+                "audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 1000}}},
+            },
         },
         token=TOKEN,
     )
@@ -134,6 +141,7 @@ async def test_a_page_written_to_openais_webrtc_flow_talks_with_the_parrot(
     assert kinds[0] == "session.created" and "response.output_audio.delta" not in kinds, kinds
     created = rec.events[0][1]["session"]
     assert created["instructions"] == "repeat after me" and created["model"] == "parrot"
+    assert created["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 1000
     started1, cleared, truncated = (
         rec.at("output_audio_buffer.started", 0),
         rec.at("output_audio_buffer.cleared"),
