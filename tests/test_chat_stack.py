@@ -9,15 +9,20 @@ the session replica that held it (the client resumes on another with its token, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from duplex.client import DuplexClient
+from duplex.serving import health_check
 from duplex.stack import LocalStack
 from duplex.v1 import session_pb2
 from realtime_service.session_config import PCM24K
@@ -223,6 +228,24 @@ async def test_a_chat_server_that_hangs_fails_the_turn_with_its_code_and_the_ses
     assert [m["role"] for m in requests[1]["messages"]] == ["user", "user"], json.dumps(requests[1])
 
 
+def serving(address: str, timeout_s: float = 30.0) -> None:
+    """Until the session service at ``address`` answers SERVING to a health check."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        check = health_check(channel)
+        while True:
+            try:
+                if (
+                    check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, f"{address} is not SERVING"
+            time.sleep(0.1)
+
+
 async def test_the_conversation_survives_the_loss_of_its_session_replica(
     stack: LocalStack, llm: ChatServer, wavs: dict[str, Path]
 ) -> None:
@@ -249,6 +272,8 @@ async def test_the_conversation_survives_the_loss_of_its_session_replica(
     replicas: list[ServiceProcess] = []
     try:
         first, second = start_all([args, args], replicas, start=lambda a: start_service(a, env=env))
+        for replica in (first, second):  # listening first, SERVING once its worker links are up
+            await asyncio.to_thread(serving, replica.grpc)
         async with DuplexClient(first.grpc) as client:
             session = await client.open_session(
                 input_format=PCM24K, output_format=PCM24K, instructions=INSTRUCTIONS, auto_resume=False
